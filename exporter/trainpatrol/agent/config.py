@@ -1,0 +1,116 @@
+"""The agent's one typed configuration. The CLI and ``TRAINPATROL_*`` variables only map onto it."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+from ..control.actions import ACTIONS
+
+Mode = Literal["agent", "router"]
+
+DEFAULT_PORT = 9400
+DEFAULT_ALLOWED_ACTIONS = ("checkpoint", "pause", "capture", "empty_cache", "stop")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message quotes key and value."""
+
+
+@dataclass
+class AgentConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    mode: Mode = "agent"
+    token: str = ""
+    """Bearer token for the control API, webhooks and non-loopback pushes. Empty: loopback only."""
+    token_file: str = ""
+    allowed_actions: tuple[str, ...] = DEFAULT_ALLOWED_ACTIONS
+    """Actions an Alertmanager webhook or the HTTP API may ask for. ``resume`` always needs the API."""
+    rank_up_ttl_seconds: float = 15.0
+    """A rank that has not pushed for this long gets ``trainpatrol_rank_up 0``."""
+    rank_expire_seconds: float = 600.0
+    """Series of a rank that has not pushed for this long (or closed this long ago) are removed."""
+    closed_expire_seconds: float = 60.0
+    nvml: bool = True
+    nvml_interval_seconds: float = 1.0
+    nvml_pcie: bool = False
+    """PCIe throughput costs about 20 ms per GPU per sample, so it is opt-in."""
+    nvml_processes: bool = False
+    nvml_fake: str = ""
+    """Path of an NVML fixture (JSON). Serves recorded H200 readings instead of real NVML."""
+    peers: tuple[str, ...] = ()
+    """Peer agents (host:port) this agent may forward alerts to."""
+    peers_dns: str = ""
+    """A DNS name (e.g. a headless Service) whose addresses, on ``port``, are peers."""
+    webhook_dedupe_size: int = 10000
+    max_push_bytes: int = 1_000_000
+    log_level: str = "info"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def load(self) -> AgentConfig:
+        """Validate, read the token file, and enforce the fail-closed rule."""
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"Config 'port' has value {self.port!r}. Not a valid TCP port.")
+        if self.mode not in ("agent", "router"):
+            raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
+        unknown = [a for a in self.allowed_actions if a not in ACTIONS]
+        if unknown:
+            raise ConfigError(
+                f"Config 'allowed_actions' has value {unknown[0]!r}. Expected one of {', '.join(ACTIONS)}."
+            )
+        if self.token_file and not self.token:
+            try:
+                self.token = Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"Config 'token_file' has value {self.token_file!r}: {exc}.") from exc
+        if not self.token and not is_loopback(self.host):
+            raise ConfigError(
+                f"Config 'host' has value {self.host!r}, which is not loopback, and no token is set. "
+                "Set TRAINPATROL_TOKEN or --token-file: the control API fails closed."
+            )
+        return self
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> AgentConfig:
+        """Build from ``TRAINPATROL_<FIELD>`` variables, then explicit overrides (CLI flags)."""
+        env = dict(os.environ if env is None else env)
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            key = "TRAINPATROL_" + f.name.upper()
+            if key in env and f.name != "extra":
+                values[f.name] = _parse(f.name, str(f.type), env[key])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(name: str, type_name: str, raw: str) -> object:
+    try:
+        if "bool" in type_name:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if "tuple" in type_name:
+            return tuple(p.strip() for p in raw.split(",") if p.strip())
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"Config 'TRAINPATROL_{name.upper()}' has value {raw!r}. Not a valid {type_name}.") from None
+    return raw
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,172 @@
+"""The one list of every metric trainpatrol exposes, with its help text, unit and labels.
+
+docs/metrics.md is generated from this module (``python -m trainpatrol.catalogue``) and a test
+keeps the two equal. Ranks push samples by catalogue name; the agent refuses names that are not
+here, so a metric cannot exist without being documented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["gauge", "counter", "histogram", "info"]
+Source = Literal["rank", "agent", "nvml"]
+
+RANK_LABELS = ("run", "rank")
+GPU_LABELS = ("gpu", "uuid")
+
+STEP_DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: Kind
+    help: str
+    unit: str
+    source: Source
+    labels: tuple[str, ...] = ()
+    """Labels beyond the source's own (``run``/``rank`` for ranks, ``gpu``/``uuid`` for NVML)."""
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        base = {"rank": RANK_LABELS, "nvml": GPU_LABELS, "agent": ()}[self.source]
+        return base + self.labels
+
+
+def _r(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
+    return Metric(name, kind, help, unit, "rank", labels)
+
+
+def _g(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
+    return Metric(name, kind, help, unit, "nvml", labels)
+
+
+def _a(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
+    return Metric(name, kind, help, unit, "agent", labels)
+
+
+P = "trainpatrol_"
+
+RANK_METRICS: tuple[Metric, ...] = (
+    _r(P + "rank_info", "info", "", "Identity of a rank: host, GPU uuid and versions. Join GPU metrics on uuid.",
+       "local_rank", "world_size", "host", "gpu_uuid", "device", "torch_version", "cuda_version",
+       "trainpatrol_version"),
+    _r(P + "step_total", "counter", "", "Optimizer steps completed."),
+    _r(P + "micro_step_total", "counter", "", "Micro-steps (backward passes) completed, gradient accumulation included."),
+    _r(P + "step_duration_seconds", "histogram", "seconds", "Wall time of one optimizer step, boundary to boundary."),
+    _r(P + "samples_total", "counter", "", "Training samples consumed."),
+    _r(P + "tokens_total", "counter", "", "Training tokens consumed."),
+    _r(P + "loss", "gauge", "", "Training loss of the last step read back from the device."),
+    _r(P + "loss_window_mean", "gauge", "", "Mean finite training loss over the recent window."),
+    _r(P + "loss_window_max", "gauge", "", "Largest finite training loss over the recent window, so a spike between scrapes shows."),
+    _r(P + "validation_loss", "gauge", "", "Last validation loss passed to Patrol.evaluate()."),
+    _r(P + "nonfinite_steps_total", "counter", "", "Steps whose loss or grad norm was NaN or Inf, by kind.", "kind"),
+    _r(P + "grad_norm", "gauge", "", "Global L2 norm of the gradients at the last optimizer step."),
+    _r(P + "grad_norm_window_max", "gauge", "", "Largest finite global grad norm over the recent window."),
+    _r(P + "amp_skipped_steps_total", "counter", "", "Optimizer steps skipped by GradScaler because of inf/NaN gradients."),
+    _r(P + "amp_loss_scale", "gauge", "", "Current GradScaler loss scale."),
+    _r(P + "learning_rate", "gauge", "", "Learning rate of each optimizer param group (index label, at most 16 groups).",
+       "param_group"),
+    _r(P + "loader_wait_seconds_total", "counter", "seconds", "Time spent waiting for the next batch from the data loader."),
+    _r(P + "loader_wait_ratio", "gauge", "ratio", "Loader wait time divided by step time over the recent window."),
+    _r(P + "dataloader_info", "info", "", "DataLoader settings seen by the audit.",
+       "num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "batch_size"),
+    _r(P + "dataloader_warning", "gauge", "", "1 when a DataLoader audit check fails (see docs/runbooks.md).", "check"),
+    _r(P + "cuda_memory_allocated_bytes", "gauge", "bytes", "Bytes held by live tensors in the caching allocator."),
+    _r(P + "cuda_memory_reserved_bytes", "gauge", "bytes", "Bytes reserved from the device by the caching allocator."),
+    _r(P + "cuda_memory_active_bytes", "gauge", "bytes", "Bytes in active allocator blocks."),
+    _r(P + "cuda_memory_inactive_split_bytes", "gauge", "bytes", "Bytes in inactive, non-releasable split blocks."),
+    _r(P + "cuda_memory_peak_allocated_bytes", "gauge", "bytes", "Peak allocated bytes over the recent window."),
+    _r(P + "cuda_memory_fragmentation_ratio", "gauge", "ratio", "(reserved - allocated) / reserved."),
+    _r(P + "cuda_memory_capacity_bytes", "gauge", "bytes", "Total memory of the rank's device."),
+    _r(P + "cuda_memory_used_ratio", "gauge", "ratio", "Allocated bytes divided by device capacity."),
+    _r(P + "cuda_alloc_retries_total", "counter", "", "cudaMalloc retries after the allocator flushed its cache."),
+    _r(P + "cuda_ooms_total", "counter", "", "Out-of-memory errors raised by the caching allocator."),
+    _r(P + "cuda_memory_baseline_bytes", "gauge", "bytes", "Allocated bytes at the step boundary, the leak-trend sample point."),
+    _r(P + "cuda_memory_baseline_slope_bytes_per_step", "gauge", "bytes", "Least-squares slope of the baseline over the window; positive and steady means a leak."),
+    _r(P + "probe_overhead_ratio", "gauge", "ratio", "Time spent inside Patrol divided by step time over the recent window."),
+    _r(P + "guard_trips_total", "counter", "", "Local guard trips, by guard.", "guard"),
+    _r(P + "guard_active", "gauge", "", "1 while a local guard's condition holds at the last read step.", "guard"),
+    _r(P + "paused", "gauge", "", "1 while the rank waits in a coordinated pause."),
+    _r(P + "rank_state", "gauge", "", "1 for the rank's current control state.", "state"),
+    _r(P + "actions_total", "counter", "", "Control actions carried out by the rank, by action and outcome.", "action", "outcome"),
+    _r(P + "checkpoint_failures_total", "counter", "", "Checkpoint writes that failed and left the previous one in place."),
+    _r(P + "last_checkpoint_timestamp_seconds", "gauge", "seconds", "Unix time of the last successful checkpoint."),
+    _r(P + "last_checkpoint_step", "gauge", "", "Step of the last successful checkpoint."),
+    _r(P + "control_interval_steps", "gauge", "", "Steps between two control-word exchanges, agreed across ranks."),
+    _r(P + "push_dropped_total", "counter", "", "Snapshots the rank could not deliver to its agent."),
+)
+
+AGENT_METRICS: tuple[Metric, ...] = (
+    _a(P + "agent_info", "info", "", "Agent identity.", "version", "host", "mode"),
+    _a(P + "collector_success", "gauge", "", "1 if the collector's last run succeeded.", "collector"),
+    _a(P + "collector_duration_seconds", "gauge", "seconds", "Duration of the collector's last run.", "collector"),
+    _a(P + "rank_up", "gauge", "", "1 while the rank pushed within the liveness TTL.", "run", "rank"),
+    _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
+    _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),
+    _a(P + "pushes_total", "counter", "", "Push requests received, by outcome.", "outcome"),
+    _a(P + "webhook_alerts_total", "counter", "", "Alerts received on the Alertmanager webhook, by outcome.", "outcome"),
+    _a(P + "control_commands_total", "counter", "", "Control commands queued for ranks, by action and source.", "action", "source"),
+    _a(P + "forwarded_alerts_total", "counter", "", "Alerts forwarded to peer agents, by outcome.", "outcome"),
+)
+
+NVML_METRICS: tuple[Metric, ...] = (
+    _g(P + "gpu_info", "info", "", "GPU identity.", "name", "pci_bus_id", "driver_version", "serial", "mig_mode"),
+    _g(P + "gpu_utilization_ratio", "gauge", "ratio", "Fraction of the sample period a kernel was running."),
+    _g(P + "gpu_memory_utilization_ratio", "gauge", "ratio", "Fraction of the sample period device memory was read or written."),
+    _g(P + "gpu_memory_used_bytes", "gauge", "bytes", "Device memory in use (all processes)."),
+    _g(P + "gpu_memory_free_bytes", "gauge", "bytes", "Device memory free."),
+    _g(P + "gpu_memory_total_bytes", "gauge", "bytes", "Device memory total."),
+    _g(P + "gpu_power_watts", "gauge", "watts", "Power draw."),
+    _g(P + "gpu_power_limit_watts", "gauge", "watts", "Enforced power limit."),
+    _g(P + "gpu_energy_joules_total", "counter", "joules", "Energy consumed since the driver loaded."),
+    _g(P + "gpu_temperature_celsius", "gauge", "celsius", "Temperature, by sensor (gpu, memory).", "sensor"),
+    _g(P + "gpu_clock_hertz", "gauge", "hertz", "Current clock, by domain (sm, memory).", "clock"),
+    _g(P + "gpu_performance_state", "gauge", "", "Performance state, 0 (P0, fastest) to 15."),
+    _g(P + "gpu_clock_event_active", "gauge", "", "1 while a clock-event (throttle) reason is active.", "reason"),
+    _g(P + "gpu_pcie_link_generation", "gauge", "", "Current PCIe link generation."),
+    _g(P + "gpu_pcie_link_width", "gauge", "", "Current PCIe link width (lanes)."),
+    _g(P + "gpu_pcie_throughput_bytes_per_second", "gauge", "bytes", "PCIe throughput by direction (opt-in, about 20 ms per GPU).", "direction"),
+    _g(P + "gpu_ecc_errors_total", "counter", "", "ECC errors since the driver loaded, by type (corrected, uncorrected).", "type"),
+    _g(P + "gpu_retired_pages", "gauge", "", "Retired memory pages, by cause.", "cause"),
+    _g(P + "gpu_remapped_rows", "gauge", "", "Remapped memory rows, by state (correctable, uncorrectable, pending, failure).", "state"),
+    _g(P + "gpu_xid_errors_total", "counter", "", "XID errors seen by the agent's event thread, by xid.", "xid"),
+    _g(P + "gpu_xid_last_timestamp_seconds", "gauge", "seconds", "Unix time of the last XID error, by xid.", "xid"),
+    _g(P + "gpu_process_memory_bytes", "gauge", "bytes", "Device memory per training rank (opt-in); other processes under run=\"\".", "run", "rank"),
+    _g(P + "nvml_sample_timestamp_seconds", "gauge", "seconds", "Unix time of the NVML sample being served."),
+)
+
+ALL_METRICS: tuple[Metric, ...] = RANK_METRICS + AGENT_METRICS + NVML_METRICS
+BY_NAME: dict[str, Metric] = {m.name: m for m in ALL_METRICS}
+RANK_BY_NAME: dict[str, Metric] = {m.name: m for m in RANK_METRICS}
+
+
+def render_markdown() -> str:
+    """docs/metrics.md, generated."""
+    out = [
+        "<!-- generated by `python -m trainpatrol.catalogue`, do not edit -->",
+        "# Metrics",
+        "",
+        "Every series trainpatrol exposes. Rank metrics carry `run` and `rank`; GPU metrics carry",
+        "`gpu` (index) and `uuid`. Join rank metrics to GPU metrics with",
+        "`trainpatrol_rank_info{gpu_uuid=...}` through `label_replace(..., \"uuid\", \"$1\", \"gpu_uuid\", \"(.*)\")`.",
+        "Histograms expose `_bucket`, `_sum` and `_count`; info metrics have the value 1.",
+        "",
+    ]
+    titles = {"rank": "Rank metrics (pushed by Patrol)", "agent": "Agent metrics", "nvml": "GPU metrics (NVML)"}
+    for source, title in titles.items():
+        out += [f"## {title}", "", "| name | type | unit | labels | help |", "| --- | --- | --- | --- | --- |"]
+        for m in ALL_METRICS:
+            if m.source == source:
+                labels = ", ".join(f"`{label}`" for label in m.all_labels)
+                out.append(f"| `{m.name}` | {m.kind} | {m.unit or '-'} | {labels or '-'} | {m.help} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
