@@ -1,0 +1,22 @@
+"""trainpatrol: a training-health monitor for PyTorch that stops a sick run cleanly."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["STOP_EXIT_CODE", "Patrol", "PatrolConfig", "__version__"]
+
+from .control.actions import STOP_EXIT_CODE
+
+if TYPE_CHECKING:
+    from .probe.patrol import Patrol, PatrolConfig
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only when the training side is used, so the agent starts fast without it
+    if name in ("Patrol", "PatrolConfig"):
+        from .probe import patrol
+
+        return getattr(patrol, name)
+    raise AttributeError(name)

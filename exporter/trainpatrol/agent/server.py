@@ -1,0 +1,51 @@
+"""Starts the agent: NVML sampler, expiry, and uvicorn (which can also live in a background thread)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import uvicorn
+
+from .app import Agent
+from .config import AgentConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_nvml(config: AgentConfig, agent_store_pids: Any) -> Any:
+    """The NVML collector, real or fed by a recorded fixture; None when switched off."""
+    if not config.nvml:
+        return None
+    from ..collectors.nvml import NvmlCollector
+
+    source: Any = None
+    if config.nvml_fake:
+        from ..nvml_fake import FakeNvml
+
+        source = FakeNvml.from_fixture(config.nvml_fake)
+    return NvmlCollector(source, interval_seconds=config.nvml_interval_seconds, pcie=config.nvml_pcie,
+                         processes=config.nvml_processes, pid_to_rank=agent_store_pids)
+
+
+def build_agent(config: AgentConfig) -> Agent:
+    config.load()
+    holder: dict[str, Agent] = {}
+    nvml = build_nvml(config, lambda: holder["agent"].store.pid_to_rank())
+    agent = Agent(config, nvml=nvml)
+    holder["agent"] = agent
+    return agent
+
+
+def serve(config: AgentConfig) -> None:
+    agent = build_agent(config)
+    if agent.nvml is not None:
+        agent.nvml.start()
+    log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)
+    try:
+        uvicorn.run(agent.app, host=config.host, port=config.port, log_level=config.log_level,
+                    access_log=False, timeout_graceful_shutdown=2)
+    finally:
+        if agent.nvml is not None:
+            agent.nvml.stop()
+        agent.router.close()

@@ -1,0 +1,162 @@
+"""What the agent knows about its ranks: last snapshots, liveness, and commands waiting for them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol import ActionRecord, Command, RankSnapshot
+
+COMMAND_TTL_SECONDS = 3600.0
+
+
+@dataclass
+class RankEntry:
+    snapshot: RankSnapshot
+    last_push: float
+    last_step_advance: float
+
+
+@dataclass
+class RunCommands:
+    pending: list[Command] = field(default_factory=list)
+
+
+class RankStore:
+    """Thread-safe; the web handlers, the collector and the expiry all go through one lock."""
+
+    def __init__(self, rank_up_ttl: float = 15.0, expire_after: float = 600.0, closed_expire_after: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.rank_up_ttl = rank_up_ttl
+        self.expire_after = expire_after
+        self.closed_expire_after = closed_expire_after
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], RankEntry] = {}
+        self._commands: dict[str, list[Command]] = {}
+        self._seen_commands: dict[int, float] = {}
+
+    # --- pushes -------------------------------------------------------------------------------
+    def push(self, snap: RankSnapshot) -> list[Command]:
+        """Record a snapshot; return the run's commands this rank has not carried out yet."""
+        now = self._clock()
+        key = (snap.run, snap.rank)
+        with self._lock:
+            old = self._ranks.get(key)
+            advanced = old is None or snap.step != old.snapshot.step
+            if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.pid == snap.pid:
+                return []  # a late, reordered push: keep the newer state
+            self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
+            done = set(snap.done_commands)
+            pending = self._commands.get(snap.run, [])
+            self._commands[snap.run] = [c for c in pending if now - c.created < COMMAND_TTL_SECONDS]
+            return [c for c in self._commands[snap.run] if c.id not in done]
+
+    def enqueue(self, command: Command) -> bool:
+        """Queue a command for a run; False if the same command id was queued before."""
+        with self._lock:
+            if command.id in self._seen_commands:
+                return False
+            self._seen_commands[command.id] = command.created
+            if len(self._seen_commands) > 10000:
+                for cid in sorted(self._seen_commands, key=self._seen_commands.__getitem__)[:1000]:
+                    del self._seen_commands[cid]
+            queue = self._commands.setdefault(command.run, [])
+            # a new command supersedes an older one the ranks have not acted on yet only when
+            # both are the same action; different actions all stay, ranks order them by priority
+            queue.append(command)
+            return True
+
+    def retire_done(self) -> None:
+        """Drop commands every live rank of their run reports as done."""
+        with self._lock:
+            for run, queue in list(self._commands.items()):
+                ranks = [e for (r, _), e in self._ranks.items() if r == run]
+                if not ranks:
+                    continue
+                self._commands[run] = [
+                    c for c in queue if not all(c.id in e.snapshot.done_commands for e in ranks)
+                ]
+
+    # --- reads --------------------------------------------------------------------------------
+    def expire(self) -> None:
+        now = self._clock()
+        with self._lock:
+            for key, e in list(self._ranks.items()):
+                age = now - e.last_push
+                if age > self.expire_after or (e.snapshot.state == "closed" and age > self.closed_expire_after):
+                    del self._ranks[key]
+
+    def entries(self) -> list[RankEntry]:
+        self.expire()
+        with self._lock:
+            return [self._ranks[k] for k in sorted(self._ranks)]
+
+    def is_up(self, entry: RankEntry) -> bool:
+        return entry.snapshot.state != "closed" and self._clock() - entry.last_push <= self.rank_up_ttl
+
+    def hosts_run(self, run: str) -> bool:
+        return any(e.snapshot.run == run for e in self.entries())
+
+    def pid_to_rank(self) -> dict[int, tuple[str, str]]:
+        return {e.snapshot.pid: (e.snapshot.run, str(e.snapshot.rank)) for e in self.entries() if e.snapshot.pid}
+
+    def pending(self, run: str) -> list[Command]:
+        with self._lock:
+            return list(self._commands.get(run, []))
+
+    def runs(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for e in self.entries():
+            out.setdefault(e.snapshot.run, {"ranks": []})["ranks"].append(e)
+        return {run: self.run_status(run, v["ranks"]) for run, v in out.items()}
+
+    def run_status(self, run: str, ranks: list[RankEntry] | None = None) -> dict[str, Any]:
+        ranks = ranks if ranks is not None else [e for e in self.entries() if e.snapshot.run == run]
+        states = [e.snapshot.state if self.is_up(e) or e.snapshot.state == "closed" else "down" for e in ranks]
+        actions: list[ActionRecord] = sorted(
+            (a for e in ranks for a in e.snapshot.actions), key=lambda a: (a.time, a.id)
+        )
+        last = actions[-1] if actions else None
+        last_outcome = None
+        if last is not None:
+            same = [a for a in actions if a.id == last.id]
+            last_outcome = {
+                "id": last.id, "action": last.action, "step": last.step,
+                "outcome": "failed" if any(a.outcome == "failed" for a in same) else last.outcome,
+                "detail": "; ".join(sorted({a.detail for a in same if a.detail})),
+                "evidence": last.evidence, "ranks_reported": len(same),
+            }
+        checkpoints = [e.snapshot.last_checkpoint for e in ranks if e.snapshot.last_checkpoint]
+        return {
+            "run": run,
+            "state": _run_state(states),
+            "world_size": max((e.snapshot.world_size for e in ranks), default=0),
+            "ranks": [
+                {"rank": e.snapshot.rank, "state": s, "step": e.snapshot.step, "host": e.snapshot.host,
+                 "last_push": e.last_push, "up": self.is_up(e)}
+                for e, s in zip(ranks, states)
+            ],
+            "last_action": last_outcome,
+            "last_checkpoint": max(checkpoints, default=""),
+            "pending_commands": [c.model_dump() for c in self.pending(run)],
+        }
+
+
+def _run_state(states: list[str]) -> str:
+    if not states:
+        return "unknown"
+    s = set(states)
+    for state in ("stopped", "closed", "paused"):
+        if s == {state}:
+            return state
+    if "stopping" in s or "stopped" in s:
+        return "stopping"
+    if "pausing" in s or "paused" in s:
+        return "pausing"
+    if s <= {"running", "closed"}:
+        return "running"
+    return "degraded"

@@ -1,0 +1,159 @@
+"""The ``trainpatrol`` command: maps flags onto configs and calls the components; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .control.actions import ACTIONS
+
+DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400")
+
+
+def _agent_parser(sub: Any) -> None:
+    p = sub.add_parser("agent", help="run the agent (scrape target, control API, webhook receiver)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1; non-loopback needs a token)")
+    p.add_argument("--port", type=int, help="port (default 9400)")
+    p.add_argument("--mode", choices=["agent", "router"])
+    p.add_argument("--token-file", help="file holding the bearer token (or TRAINPATROL_TOKEN)")
+    p.add_argument("--allowed-actions", help="comma-separated actions webhooks and the API may request")
+    p.add_argument("--peers", help="comma-separated host:port of peer agents alerts may be forwarded to")
+    p.add_argument("--peers-dns", help="DNS name whose addresses are peers (a headless Service)")
+    p.add_argument("--nvml", dest="nvml", action="store_true", default=None, help="collect NVML metrics (default)")
+    p.add_argument("--no-nvml", dest="nvml", action="store_false")
+    p.add_argument("--nvml-interval", type=float, dest="nvml_interval_seconds")
+    p.add_argument("--nvml-pcie", action="store_true", default=None, help="PCIe throughput (about 20 ms per GPU)")
+    p.add_argument("--nvml-processes", action="store_true", default=None, help="per-rank GPU memory")
+    p.add_argument("--nvml-fake", help="serve recorded NVML readings from this fixture instead of a GPU")
+    p.add_argument("--rank-up-ttl", type=float, dest="rank_up_ttl_seconds")
+    p.add_argument("--rank-expire", type=float, dest="rank_expire_seconds")
+    p.add_argument("--log-level")
+
+
+def _control_parsers(sub: Any) -> None:
+    for action in ACTIONS:
+        p = sub.add_parser(action.replace("_", "-"), help=f"ask every rank of RUN to {action}")
+        p.add_argument("run")
+        p.add_argument("--reason", default="requested from the CLI")
+        _client_args(p)
+        p.set_defaults(action=action)
+    p = sub.add_parser("status", help="a table of runs and ranks")
+    p.add_argument("run", nargs="?")
+    p.add_argument("--json", action="store_true")
+    _client_args(p)
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agent", default=DEFAULT_AGENT, help=f"agent URL (default {DEFAULT_AGENT})")
+    p.add_argument("--token-file", help="file holding the bearer token (or TRAINPATROL_TOKEN)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainpatrol", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _agent_parser(sub)
+    _control_parsers(sub)
+    d = sub.add_parser("demo", help="train a small model with Patrol, inject a fault, pause and resume")
+    from .demo import add_arguments
+
+    add_arguments(d)
+    r = sub.add_parser("report", help="(re)generate report.html of an evidence bundle")
+    r.add_argument("bundle")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "agent":
+        return _agent(args)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "report":
+        from .report import write_report
+
+        print(write_report(Path(args.bundle)))
+        return 0
+    return _action(args)
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from .agent.config import AgentConfig, ConfigError
+    from .agent.server import serve
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command",) and v is not None}
+    for key in ("allowed_actions", "peers"):
+        if key in overrides:
+            overrides[key] = tuple(x.strip() for x in overrides[key].split(",") if x.strip())
+    try:
+        config = AgentConfig.from_env(**overrides).load()
+    except ConfigError as exc:
+        print(f"trainpatrol agent: {exc}", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
+
+
+def _token(args: argparse.Namespace) -> str:
+    if getattr(args, "token_file", None):
+        return Path(args.token_file).read_text().strip()
+    if os.environ.get("TRAINPATROL_TOKEN_FILE"):
+        return Path(os.environ["TRAINPATROL_TOKEN_FILE"]).read_text().strip()
+    return os.environ.get("TRAINPATROL_TOKEN", "")
+
+
+def _call(args: argparse.Namespace, path: str, body: Any = None) -> Any:
+    req = urllib.request.Request(args.agent.rstrip("/") + path, method="POST" if body is not None else "GET",
+                                 data=None if body is None else json.dumps(body).encode())
+    req.add_header("Content-Type", "application/json")
+    token = _token(args)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _action(args: argparse.Namespace) -> int:
+    try:
+        reply = _call(args, f"/v1/runs/{args.run}/actions", {"action": args.action, "reason": args.reason})
+    except urllib.error.HTTPError as exc:
+        print(f"trainpatrol {args.action}: agent answered {exc.code}: {exc.read().decode()}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"trainpatrol {args.action}: cannot reach agent {args.agent}: {exc}", file=sys.stderr)
+        return 1
+    hosted = "" if reply.get("hosted") else " (no rank of this run has pushed to this agent yet)"
+    print(f"{args.action} queued for run {args.run} (id {reply['id']}){hosted}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        runs = [_call(args, f"/v1/runs/{args.run}")] if args.run else _call(args, "/v1/runs")["runs"]
+    except (OSError, urllib.error.HTTPError) as exc:
+        print(f"trainpatrol status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(runs, indent=2))
+        return 0
+    print(f"{'RUN':<20} {'STATE':<10} {'RANK':>5} {'RANK STATE':<10} {'STEP':>8} {'HOST':<20} LAST ACTION")
+    for run in runs:
+        last = run.get("last_action") or {}
+        summary = f"{last.get('action', '-')} {last.get('outcome', '')} @{last.get('step', '')}" if last else "-"
+        for r in run["ranks"]:
+            print(f"{run['run']:<20} {run['state']:<10} {r['rank']:>5} {r['state']:<10} {r['step']:>8} "
+                  f"{r['host'][:20]:<20} {summary}")
+        if run.get("last_checkpoint"):
+            print(f"{'':<20} last checkpoint: {run['last_checkpoint']}")
+    return 0

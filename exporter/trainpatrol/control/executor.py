@@ -1,0 +1,189 @@
+"""Carries out agreed actions at a step boundary: checkpoint, evidence, pause, resume, stop.
+
+Every rank runs the same code on the same agreed word, so every rank does the same thing at the
+same step. A pause waits outside any collective; while paused the ranks meet only in short,
+completed rounds, so NCCL timeouts cannot fire. A failed checkpoint keeps the run paused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..protocol import ActionRecord
+from . import checkpoint as ckpt
+from .actions import PRIORITY, STOP_EXIT_CODE
+from .coordinator import Agreement
+from .evidence import bundle_name, fetch_nvml, write_manifest, write_rank_part
+
+if TYPE_CHECKING:
+    from ..probe.patrol import Patrol
+
+log = logging.getLogger("trainpatrol")
+
+
+class Executor:
+    def __init__(self, patrol: Patrol) -> None:
+        self.p = patrol
+
+    # --- entry --------------------------------------------------------------------------------
+    def execute(self, agreed: Agreement) -> None:
+        p = self.p
+        commands = {a: cid for a, cid in agreed.commands.items() if cid not in p._done}
+        p.mark_done(agreed.commands.values())
+        if not commands:
+            return
+        primary = max(commands, key=PRIORITY.__getitem__)
+        if primary == "resume":
+            self._record(commands["resume"], "resume", "skipped", agreed.step, "run was not paused")
+            return
+        trigger = self._trigger(commands[primary], primary)
+        ok = self._act(primary, commands[primary], agreed, trigger)
+        if primary == "stop" and ok:
+            self._stop()
+        if primary == "pause" or (not ok and primary in ("checkpoint", "stop")):
+            self._pause(agreed)
+
+    # --- one action ---------------------------------------------------------------------------
+    def _act(self, action: str, cid: int, agreed: Agreement, trigger: dict[str, Any]) -> bool:
+        p = self.p
+        step = agreed.step
+        p.state = {"pause": "pausing", "stop": "stopping"}.get(action, p.state)
+        detail, path, ok = "", "", True
+        if action in ("checkpoint", "pause", "stop"):
+            ok, path, detail = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger)
+        if action == "empty_cache" and p.device.type == "cuda":
+            torch.cuda.empty_cache()
+        bundle = Path(p.config.evidence_dir) / bundle_name(agreed.clock, step, action)
+        try:
+            write_rank_part(bundle, p.identity.rank, history=p.history.dump(), device=p.device,
+                            nvml=fetch_nvml(p.config.agent_url, p.config.token), config=p.config_dict(),
+                            extra={"checkpoint": path, "outcome": "ok" if ok else "failed", "detail": detail})
+            if p.identity.rank == 0:
+                write_manifest(bundle, {"action": action, "command_id": cid, "step": step, "run": p.config.run,
+                                        "world_size": p.identity.world_size, "time": agreed.clock,
+                                        "checkpoint": path, "checkpoint_ok": ok}, trigger)
+            p.last_evidence = str(bundle)
+        except OSError as exc:
+            detail = (detail + "; " if detail else "") + f"evidence not written: {exc}"
+            log.error("trainpatrol: %s", detail)
+        self._record(cid, action, "ok" if ok else "failed", step, detail, path, str(bundle))
+        return ok
+
+    def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any]) -> tuple[bool, str, str]:
+        p = self.p
+        rank = p.identity.rank
+        detail = ""
+        try:
+            replicated = self._replicated_state(step) if rank == 0 else None
+            per_rank = {"step": step, "rng": ckpt.rng_state(),
+                        "extra": p.extra_state() if p.extra_state is not None else None}
+            p.checkpointer.save_rank(step, rank, replicated, per_rank)
+            ok = True
+        except Exception as exc:
+            ok, detail = False, f"rank {rank}: checkpoint failed: {exc}"
+            log.error("trainpatrol: %s; the previous checkpoint is intact", detail)
+        ok = p.coordinator.all_true(ok)
+        path = str(p.checkpointer.path_for(step))
+        if ok and rank == 0:
+            try:
+                p.checkpointer.commit(step, {"world_size": p.identity.world_size, "pinned": pinned,
+                                             "run": p.config.run, "reason": reason})
+            except Exception as exc:
+                ok, detail = False, f"rank 0: checkpoint commit failed: {exc}"
+                log.error("trainpatrol: %s", detail)
+        ok = p.coordinator.all_true(ok)
+        if not ok:
+            p.totals.checkpoint_failures += 1
+            return False, "", detail or "checkpoint failed on another rank"
+        p.last_checkpoint = path
+        p.latest.last_checkpoint_time, p.latest.last_checkpoint_step = time.time(), float(step)
+        return True, path, detail
+
+    def _replicated_state(self, step: int) -> dict[str, Any]:
+        p = self.p
+        state: dict[str, Any] = {"step": step}
+        for name in ("model", "optimizer", "scheduler", "scaler"):
+            obj = getattr(p, name)
+            if obj is not None:
+                state[name] = obj.state_dict()
+        return state
+
+    def _record(self, cid: int, action: str, outcome: str, step: int, detail: str = "", path: str = "",
+                evidence: str = "") -> None:
+        p = self.p
+        p.actions.append(ActionRecord(id=cid, action=action, outcome=outcome, step=step,  # type: ignore[arg-type]
+                                      time=time.time(), detail=detail, checkpoint=path, evidence=evidence))
+        key = (action, outcome)
+        p.totals.actions[key] = p.totals.actions.get(key, 0) + 1
+        log.warning("trainpatrol: %s at step %d: %s %s", action, step, outcome, detail)
+
+    def _trigger(self, cid: int, action: str) -> dict[str, Any]:
+        for c in self.p.take_pending().values():
+            if c["id"] == cid:
+                return c
+        return {"id": cid, "action": action, "source": "agreed with another rank"}
+
+    # --- pause and stop -----------------------------------------------------------------------
+    def _pause(self, agreed: Agreement) -> None:
+        p = self.p
+        p.state = "paused"
+        p.publisher.push_now()
+        log.warning("trainpatrol: run %s paused at step %d; resume with `trainpatrol resume %s`",
+                    p.config.run, agreed.step, p.config.run)
+        started = time.monotonic()
+        timeout = p.config.pause_timeout_seconds
+        while True:
+            time.sleep(p.config.pause_poll_seconds)
+            if timeout and time.monotonic() - started > timeout:
+                p.request("stop", f"paused longer than {timeout:g} s", source="pause_timeout")
+            word = p.control_word()
+            now = p.coordinator.blocking_exchange(word, agreed.step)
+            fresh = {a: c for a, c in now.commands.items() if c not in p._done}
+            p.mark_done(now.commands.values())
+            if "stop" in fresh:
+                self._act("stop", fresh["stop"], now, self._trigger(fresh["stop"], "stop"))
+                self._stop()
+            for action in ("checkpoint", "capture", "empty_cache"):
+                if action in fresh:
+                    self._act(action, fresh[action], now, self._trigger(fresh[action], action))
+            if "resume" in fresh:
+                self._record(fresh["resume"], "resume", "ok", agreed.step)
+                p.state = "running"
+                p.publisher.push_now()
+                log.warning("trainpatrol: run %s resumed at step %d", p.config.run, agreed.step)
+                return
+
+    def _stop(self) -> None:
+        p = self.p
+        p.state = "stopped"
+        p.publisher.push_now()
+        log.warning("trainpatrol: run %s stopped; exiting with code %d", p.config.run, STOP_EXIT_CODE)
+        raise SystemExit(STOP_EXIT_CODE)
+
+    # --- restore ------------------------------------------------------------------------------
+    def restore(self, path: str | Path) -> int:
+        p = self.p
+        target = p.checkpointer.latest() if str(path) == "latest" else Path(path)
+        if target is None:
+            raise FileNotFoundError(f"No complete checkpoint under {str(p.checkpointer.directory)!r}.")
+        meta, replicated, per_rank = ckpt.load(target, p.identity.rank, map_location=p.device)
+        for name in ("model", "optimizer", "scheduler", "scaler"):
+            obj = getattr(p, name)
+            if obj is not None and name in replicated:
+                obj.load_state_dict(replicated[name])
+        if "rng" in per_rank:
+            ckpt.set_rng_state(per_rank["rng"])
+        if p.load_extra_state is not None and per_rank.get("extra") is not None:
+            p.load_extra_state(per_rank["extra"])
+        step = int(meta["step"])
+        p.totals.steps = step
+        p.totals.micro_steps = step * p.config.grad_accum_steps
+        p.last_checkpoint = str(target)
+        p.coordinator.next_exchange = step + p.coordinator.interval
+        log.warning("trainpatrol: restored %s (step %d)", target, step)
+        return step

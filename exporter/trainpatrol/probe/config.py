@@ -1,0 +1,65 @@
+"""Patrol's typed configuration; ``TRAINPATROL_*`` variables fill what the code leaves unset."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..control.actions import ACTIONS
+from .guards import GUARDS, GuardConfig
+from .memory import MemoryReader
+
+
+def _env_token() -> str:
+    if os.environ.get("TRAINPATROL_TOKEN"):
+        return os.environ["TRAINPATROL_TOKEN"]
+    path = os.environ.get("TRAINPATROL_TOKEN_FILE", "")
+    return Path(path).read_text().strip() if path else ""
+
+
+@dataclass
+class PatrolConfig:
+    run: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_RUN", "default"))
+    agent_url: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400"))
+    token: str = field(default_factory=_env_token)
+    embedded_agent: bool = True
+    """Local rank 0 starts an agent child process when none answers on a loopback URL."""
+    push_interval_seconds: float = 1.0
+    window: int = 100
+    """Steps over which window statistics (mean, max, ratios, slope) are computed."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step; Patrol.step() is called once per micro-step."""
+    memory_interval_seconds: float = 1.0
+    """Allocator reads happen at most this often (13-139 µs each on an H200)."""
+    checkpoint_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_CHECKPOINT_DIR",
+                                                                       "trainpatrol/checkpoints"))
+    evidence_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_EVIDENCE_DIR",
+                                                                     "trainpatrol/evidence"))
+    keep_checkpoints: int = 3
+    guards: GuardConfig = field(default_factory=GuardConfig)
+    guard_actions: dict[str, str] = field(default_factory=lambda: {"nonfinite_loss": "pause",
+                                                                   "nonfinite_grad": "pause"})
+    """Which action a tripped local guard requests. Unlisted guards are recorded, exported, logged."""
+    pause_timeout_seconds: float = 0.0
+    """A pause longer than this turns into ``stop``; 0 waits for ever."""
+    pause_poll_seconds: float = 0.2
+    control_target_seconds: float = 0.5
+    """Control-word exchanges happen about this often (K = target / agreed step time)."""
+    record_memory_history: bool = False
+    """Record CUDA allocation history so evidence bundles carry a memory snapshot."""
+    memory_reader: MemoryReader | None = None
+    """Override of the allocator reading: a fault-injection hook for tests and demos."""
+
+    def validate(self) -> PatrolConfig:
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"`PatrolConfig(grad_accum_steps={self.grad_accum_steps!r})` must be >= 1.")
+        if self.window < 2:
+            raise ValueError(f"`PatrolConfig(window={self.window!r})` must be >= 2.")
+        for guard, action in self.guard_actions.items():
+            if guard not in GUARDS:
+                raise ValueError(f"`PatrolConfig(guard_actions={{{guard!r}: ...}})`: unknown guard; "
+                                 f"expected one of {', '.join(GUARDS)}.")
+            if action not in ACTIONS or action == "resume":
+                raise ValueError(f"`PatrolConfig(guard_actions={{{guard!r}: {action!r}}})`: not a valid action.")
+        return self

@@ -1,0 +1,86 @@
+"""Reads the CUDA caching allocator from the cheapest source available.
+
+``torch._C._cuda_memoryStats`` costs about 13 µs on an H200, the public ``memory_stats()`` about
+139 µs because it flattens and sorts the same dict. The raw call is private API, so it is wrapped
+and falls back to the public one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    allocated: float
+    reserved: float
+    active: float
+    inactive_split: float
+    peak_allocated: float
+    alloc_retries: float
+    ooms: float
+    capacity: float
+
+    @property
+    def fragmentation(self) -> float:
+        return (self.reserved - self.allocated) / self.reserved if self.reserved > 0 else 0.0
+
+    @property
+    def used_ratio(self) -> float:
+        return self.allocated / self.capacity if self.capacity > 0 else 0.0
+
+
+MemoryReader = Callable[[], MemoryReading | None]
+
+
+def _raw_stats(index: int) -> dict[str, Any]:
+    raw = getattr(torch._C, "_cuda_memoryStats", None)
+    if raw is not None:
+        try:
+            return dict(raw(index))
+        except Exception:
+            pass
+    return _nest(torch.cuda.memory_stats(index))
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Public flat keys ('allocated_bytes.all.current') back into the raw nested shape."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def cuda_reader(device: torch.device) -> MemoryReader:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capacity = float(torch.cuda.get_device_properties(index).total_memory)
+
+    def read() -> MemoryReading:
+        s = _raw_stats(index)
+        return from_stats(s, capacity)
+
+    return read
+
+
+def from_stats(s: dict[str, Any], capacity: float) -> MemoryReading:
+    def cur(key: str, field: str = "current") -> float:
+        return float(s.get(key, {}).get("all", {}).get(field, 0))
+
+    return MemoryReading(
+        allocated=cur("allocated_bytes"), reserved=cur("reserved_bytes"), active=cur("active_bytes"),
+        inactive_split=cur("inactive_split_bytes"), peak_allocated=cur("allocated_bytes", "peak"),
+        alloc_retries=float(s.get("num_alloc_retries", 0)), ooms=float(s.get("num_ooms", 0)),
+        capacity=capacity,
+    )
+
+
+def default_reader(device: torch.device) -> MemoryReader | None:
+    return cuda_reader(device) if device.type == "cuda" else None

@@ -1,0 +1,115 @@
+"""The rank's host-side totals and how they become catalogue samples for a push."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..catalogue import STEP_DURATION_BUCKETS
+from ..control.actions import RUN_STATES
+from .guards import GUARDS
+from .loader import LoaderAudit
+from .memory import MemoryReading
+from .window import History
+
+P = "trainpatrol_"
+MAX_PARAM_GROUPS = 16
+
+
+@dataclass
+class Totals:
+    steps: int = 0
+    micro_steps: int = 0
+    samples: float = 0.0
+    tokens: float = 0.0
+    loader_wait: float = 0.0
+    nonfinite_loss: float = 0.0
+    nonfinite_grad: float = 0.0
+    amp_skipped: float = 0.0
+    checkpoint_failures: float = 0.0
+    step_hist: list[float] = field(default_factory=lambda: [0.0] * (len(STEP_DURATION_BUCKETS) + 1))
+    step_sum: float = 0.0
+    actions: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_hist[bisect.bisect_left(STEP_DURATION_BUCKETS, seconds)] += 1
+        self.step_sum += seconds
+
+
+@dataclass
+class Latest:
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    loss_scale: float = math.nan
+    validation_loss: float = math.nan
+    learning_rates: list[float] = field(default_factory=list)
+    memory: MemoryReading | None = None
+    window_peak: float = 0.0
+    last_checkpoint_time: float = math.nan
+    last_checkpoint_step: float = math.nan
+    interval_steps: int = 1
+
+
+def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str, int],
+            guards_active: dict[str, bool], state: str, info: dict[str, str], audit: LoaderAudit | None,
+            dropped: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float, **labels: str) -> None:
+        if math.isfinite(value):
+            out.append({"name": P + name, "labels": labels, "value": value})
+
+    add("rank_info", 1.0, **info)
+    add("step_total", t.steps)
+    add("micro_step_total", t.micro_steps)
+    add("samples_total", t.samples)
+    add("tokens_total", t.tokens)
+    add("loss", latest.loss)
+    add("loss_window_mean", history.mean("loss"))
+    add("loss_window_max", history.max("loss"))
+    add("validation_loss", latest.validation_loss)
+    add("nonfinite_steps_total", t.nonfinite_loss, kind="loss")
+    add("nonfinite_steps_total", t.nonfinite_grad, kind="grad")
+    add("grad_norm", latest.grad_norm)
+    add("grad_norm_window_max", history.max("grad_norm"))
+    add("amp_skipped_steps_total", t.amp_skipped)
+    add("amp_loss_scale", latest.loss_scale)
+    for i, lr in enumerate(latest.learning_rates[:MAX_PARAM_GROUPS]):
+        add("learning_rate", lr, param_group=str(i))
+    add("loader_wait_seconds_total", t.loader_wait)
+    add("loader_wait_ratio", history.ratio("loader_wait_seconds", "step_seconds"))
+    if audit is not None:
+        add("dataloader_info", 1.0, **audit.info)
+        for check in ("num_workers_zero", "pin_memory_off", "persistent_workers_off", "prefetch_factor_low"):
+            add("dataloader_warning", 1.0 if check in audit.warnings else 0.0, check=check)
+    m = latest.memory
+    if m is not None:
+        add("cuda_memory_allocated_bytes", m.allocated)
+        add("cuda_memory_reserved_bytes", m.reserved)
+        add("cuda_memory_active_bytes", m.active)
+        add("cuda_memory_inactive_split_bytes", m.inactive_split)
+        add("cuda_memory_peak_allocated_bytes", latest.window_peak)
+        add("cuda_memory_fragmentation_ratio", m.fragmentation)
+        add("cuda_memory_capacity_bytes", m.capacity)
+        add("cuda_memory_used_ratio", m.used_ratio)
+        add("cuda_alloc_retries_total", m.alloc_retries)
+        add("cuda_ooms_total", m.ooms)
+        add("cuda_memory_baseline_bytes", m.allocated)
+        add("cuda_memory_baseline_slope_bytes_per_step", history.slope("allocated_bytes"))
+    add("probe_overhead_ratio", history.ratio("probe_seconds", "step_seconds"))
+    for g in GUARDS:
+        add("guard_trips_total", guards_trips[g], guard=g)
+        add("guard_active", 1.0 if guards_active[g] else 0.0, guard=g)
+    add("paused", 1.0 if state == "paused" else 0.0)
+    for s in RUN_STATES:
+        add("rank_state", 1.0 if s == state else 0.0, state=s)
+    for (action, outcome), n in sorted(t.actions.items()):
+        add("actions_total", n, action=action, outcome=outcome)
+    add("checkpoint_failures_total", t.checkpoint_failures)
+    add("last_checkpoint_timestamp_seconds", latest.last_checkpoint_time)
+    add("last_checkpoint_step", latest.last_checkpoint_step)
+    add("control_interval_steps", latest.interval_steps)
+    add("push_dropped_total", dropped)
+    return out

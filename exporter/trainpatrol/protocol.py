@@ -1,0 +1,119 @@
+"""Wire format between a rank's Patrol and its agent: the pushed snapshot and the reply's commands.
+
+Cumulative values travel as totals, so an agent restart loses nothing: the next push restores them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .catalogue import RANK_BY_NAME, STEP_DURATION_BUCKETS
+from .control.actions import Action
+
+RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+RankState = Literal["running", "pausing", "paused", "stopping", "stopped", "closed"]
+
+
+class Sample(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=128)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=16)
+    value: float
+
+    @model_validator(mode="after")
+    def _known(self) -> Sample:
+        metric = RANK_BY_NAME.get(self.name)
+        if metric is None or metric.kind == "histogram":
+            raise ValueError(f"Unknown rank metric {self.name!r}: not in the catalogue.")
+        if set(self.labels) != set(metric.labels):
+            raise ValueError(
+                f"Metric {self.name!r} has labels {sorted(self.labels)}; expected {sorted(metric.labels)}."
+            )
+        if any(len(v) > 256 for v in self.labels.values()):
+            raise ValueError(f"Metric {self.name!r} has a label value longer than 256 characters.")
+        return self
+
+
+class Histogram(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["trainpatrol_step_duration_seconds"] = "trainpatrol_step_duration_seconds"
+    counts: list[float] = Field(description="Cumulative counts per bucket bound, the +Inf bucket last.")
+    sum: float = Field(ge=0)
+
+    @field_validator("counts")
+    @classmethod
+    def _shape(cls, v: list[float]) -> list[float]:
+        if len(v) != len(STEP_DURATION_BUCKETS) + 1:
+            raise ValueError(f"Histogram needs {len(STEP_DURATION_BUCKETS) + 1} cumulative counts, got {len(v)}.")
+        if any(b < a for a, b in zip(v, v[1:])) or (v and v[0] < 0):
+            raise ValueError("Histogram counts must be cumulative (non-decreasing, non-negative).")
+        return v
+
+
+class ActionRecord(BaseModel):
+    """What a rank did about one command."""
+
+    id: int
+    action: Action
+    outcome: Literal["ok", "failed", "skipped"]
+    step: int
+    time: float
+    detail: str = ""
+    checkpoint: str = ""
+    evidence: str = ""
+
+
+class RankSnapshot(BaseModel):
+    """One rank's state as pushed about once a second."""
+
+    model_config = ConfigDict(extra="forbid")
+    run: str = Field(pattern=RUN_PATTERN)
+    rank: int = Field(ge=0, le=1_000_000)
+    local_rank: int = Field(default=0, ge=0, le=100_000)
+    world_size: int = Field(default=1, ge=1, le=1_000_001)
+    host: str = Field(default="", max_length=253)
+    pid: int = Field(default=0, ge=0)
+    gpu_uuid: str = Field(default="", max_length=128)
+    seq: int = Field(default=0, ge=0)
+    time: float = 0.0
+    step: int = Field(default=0, ge=0)
+    state: RankState = "running"
+    samples: list[Sample] = Field(default_factory=list, max_length=4096)
+    histogram: Histogram | None = None
+    actions: list[ActionRecord] = Field(default_factory=list, max_length=64)
+    """The latest action records, newest last."""
+    done_commands: list[int] = Field(default_factory=list, max_length=1024)
+    last_checkpoint: str = ""
+    evidence_dir: str = ""
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> RankSnapshot:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}.")
+        return self
+
+
+class Command(BaseModel):
+    """An action for a run, as carried to ranks in push replies."""
+
+    id: int = Field(ge=1, lt=2**31)
+    """Same on every agent for the same request (derived from the alert), so ranks dedupe."""
+    run: str = Field(pattern=RUN_PATTERN)
+    action: Action
+    reason: str = ""
+    source: str = "api"
+    created: float = 0.0
+    alert: dict[str, object] | None = None
+
+
+class PushReply(BaseModel):
+    accepted: bool = True
+    commands: list[Command] = Field(default_factory=list)
+
+
+class ActionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    action: Action
+    reason: str = Field(default="", max_length=1024)

@@ -1,0 +1,152 @@
+"""Start the real components on 127.0.0.1 for tests: Prometheus, Alertmanager, the agent, a demo run.
+
+Every wait is bounded; every process is killed on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+PROMETHEUS = shutil.which("prometheus")
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+PROMTOOL = shutil.which("promtool")
+AMTOOL = shutil.which("amtool")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the server may not be up yet
+            last_exc = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last error: {last_exc!r}")
+
+
+def http_get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return bytes(r.read())
+
+
+def http_json(url: str, body: Any = None, token: str = "", timeout: float = 5.0, method: str = "") -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"))
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+@contextmanager
+def process(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def agent(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real ``trainpatrol agent`` process; yields its base URL."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port), *args]
+    with process(cmd, tmp / f"agent-{port}.log", env=env or python_env()) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: proc.poll() is not None or http_get(url + "/healthz"), 20, what="agent /healthz")
+        assert proc.poll() is None, (tmp / f"agent-{port}.log").read_text()
+        yield url
+
+
+@contextmanager
+def prometheus(tmp: Path, targets: list[str], rule_files: list[Path] = (),  # type: ignore[assignment]
+               alertmanager_url: str = "", interval: str = "1s") -> Iterator[str]:
+    """A real Prometheus scraping ``targets`` (host:port) every ``interval``; yields its base URL."""
+    assert PROMETHEUS, "prometheus binary not installed"
+    port = free_port()
+    cfg: dict[str, Any] = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
+        "scrape_configs": [{"job_name": "trainpatrol", "static_configs": [{"targets": targets}]}],
+        "rule_files": [str(p) for p in rule_files],
+    }
+    if alertmanager_url:
+        host = urllib.parse.urlparse(alertmanager_url).netloc
+        cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [host]}]}]}
+    (tmp / "prometheus.yml").write_text(json.dumps(cfg))
+    cmd = [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+           f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", "--log.level=warn"]
+    with process(cmd, tmp / "prometheus.log") as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: proc.poll() is not None or http_get(url + "/-/ready"), 30, what="prometheus ready")
+        assert proc.poll() is None, (tmp / "prometheus.log").read_text()
+        yield url
+
+
+@contextmanager
+def alertmanager(tmp: Path, config_yaml: str) -> Iterator[str]:
+    """A real Alertmanager with ``config_yaml``; clustering off so it binds loopback only."""
+    assert ALERTMANAGER, "alertmanager binary not installed"
+    port = free_port()
+    (tmp / "alertmanager.yml").write_text(config_yaml)
+    cmd = [ALERTMANAGER, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am'}",
+           f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"]
+    with process(cmd, tmp / "alertmanager.log") as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: proc.poll() is not None or http_get(url + "/-/ready"), 30, what="alertmanager ready")
+        assert proc.poll() is None, (tmp / "alertmanager.log").read_text()
+        yield url
+
+
+def query(prom_url: str, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+    """Instant query; returns the result vector."""
+    params = {"query": expr}
+    if at is not None:
+        params["time"] = str(at)
+    body = http_json(f"{prom_url}/api/v1/query?{urllib.parse.urlencode(params)}")
+    assert body["status"] == "success", body
+    return list(body["data"]["result"])
+
+
+def query_value(prom_url: str, expr: str) -> float | None:
+    result = query(prom_url, expr)
+    if not result:
+        return None
+    return float(result[0]["value"][1])
