@@ -10,13 +10,18 @@ __all__ = ["STOP_EXIT_CODE", "Patrol", "PatrolConfig", "__version__"]
 from .control.actions import STOP_EXIT_CODE
 
 if TYPE_CHECKING:
-    from .probe.patrol import Patrol, PatrolConfig
+    from .probe.config import PatrolConfig
+    from .probe.patrol import Patrol
 
 
 def __getattr__(name: str) -> Any:
     # torch is imported only when the training side is used, so the agent starts fast without it
-    if name in ("Patrol", "PatrolConfig"):
-        from .probe import patrol
+    if name == "Patrol":
+        from .probe.patrol import Patrol
 
-        return getattr(patrol, name)
+        return Patrol
+    if name == "PatrolConfig":
+        from .probe.config import PatrolConfig
+
+        return PatrolConfig
     raise AttributeError(name)

@@ -5,6 +5,7 @@ Cumulative values travel as totals, so an agent restart loses nothing: the next 
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -47,7 +48,7 @@ class Histogram(BaseModel):
     def _shape(cls, v: list[float]) -> list[float]:
         if len(v) != len(STEP_DURATION_BUCKETS) + 1:
             raise ValueError(f"Histogram needs {len(STEP_DURATION_BUCKETS) + 1} cumulative counts, got {len(v)}.")
-        if any(b < a for a, b in zip(v, v[1:])) or (v and v[0] < 0):
+        if any(b < a for a, b in itertools.pairwise(v)) or (v and v[0] < 0):
             raise ValueError("Histogram counts must be cumulative (non-decreasing, non-negative).")
         return v
 

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from .. import __version__
 from ..collectors.agent_self import AgentStats
-from ..collectors.health import Collects, CollectorSet
+from ..collectors.health import CollectorSet, Collects
 from ..collectors.ranks import RankCollector
 from ..protocol import RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot
 from .alerts import Deduper, WebhookPayload, classify, to_command

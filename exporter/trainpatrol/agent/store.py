@@ -138,7 +138,7 @@ class RankStore:
             "ranks": [
                 {"rank": e.snapshot.rank, "state": s, "step": e.snapshot.step, "host": e.snapshot.host,
                  "last_push": e.last_push, "up": self.is_up(e)}
-                for e, s in zip(ranks, states)
+                for e, s in zip(ranks, states, strict=False)
             ],
             "last_action": last_outcome,
             "last_checkpoint": max(checkpoints, default=""),

@@ -63,7 +63,7 @@ class RankCollector:
                     family.add_metric(base + extra, s.value)  # type: ignore[attr-defined]
             if snap.histogram is not None:
                 h = snap.histogram
-                buckets = list(zip(_BOUNDS, h.counts))
+                buckets = list(zip(_BOUNDS, h.counts, strict=False))
                 families[h.name].add_metric(base, buckets, h.sum)  # type: ignore[attr-defined]
             up.add_metric(base, 1.0 if self._store.is_up(e) else 0.0)
             push.add_metric(base, e.last_push)

@@ -29,7 +29,8 @@ def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor | None
     for grads in groups.values():
         norms = torch._foreach_norm(grads, 2.0)
         partial.append(torch.linalg.vector_norm(torch.stack(norms)).double())
-    return partial[0] if len(partial) == 1 else torch.linalg.vector_norm(torch.stack(partial))
+    total: torch.Tensor = partial[0] if len(partial) == 1 else torch.linalg.vector_norm(torch.stack(partial))
+    return total
 
 
 class DeviceValues:

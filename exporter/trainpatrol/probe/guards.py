@@ -62,7 +62,8 @@ class Guards:
         self._set("nonfinite_grad", not math.isfinite(grad_norm), f"grad norm {grad_norm} at step {step}", tripped)
         enough = len(history.values("loss", c.median_window)) >= c.min_steps
         med_loss = history.median("loss", c.median_window)
-        self._set("loss_spike", enough and math.isfinite(loss) and med_loss > 0 and loss > c.loss_spike_factor * med_loss,
+        spike = enough and math.isfinite(loss) and med_loss > 0 and loss > c.loss_spike_factor * med_loss
+        self._set("loss_spike", spike,
                   f"loss {loss:.4g} > {c.loss_spike_factor} x median {med_loss:.4g} at step {step}", tripped)
         med_gn = history.median("grad_norm", c.median_window)
         relative = enough and med_gn > 0 and grad_norm > c.grad_norm_factor * med_gn

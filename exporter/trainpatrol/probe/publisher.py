@@ -64,10 +64,7 @@ class Publisher:
     def _loop(self) -> None:
         backoff = self.interval
         while not self._stop.is_set():
-            if self.push_now():
-                backoff = self.interval
-            else:
-                backoff = min(backoff * 2, self._max_backoff)
+            backoff = self.interval if self.push_now() else min(backoff * 2, self._max_backoff)
             self._wake.wait(backoff)
             self._wake.clear()
 

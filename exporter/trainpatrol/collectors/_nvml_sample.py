@@ -1,0 +1,234 @@
+"""One GPU's NVML readings: which calls to make, and their pure conversion to catalogue series.
+
+A sample of one GPU is JSON-able: ``{"gpu", "uuid", ..., "timestamp", "series", "processes"}`` where
+``series`` maps a catalogue name without its ``trainpatrol_`` prefix to ``[(extra label values,
+value), ...]`` in base units. ``families()`` turns samples into fresh metric families.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+from ..catalogue import GPU_LABELS, NVML_METRICS, P
+from ..catalogue import Metric as Spec
+
+Labels = tuple[str, ...]
+Series = dict[str, list[tuple[Labels, float]]]
+Call = Callable[..., Any]
+"""``call(name, *args)``: the pynvml function's result, or None where the GPU does not support it."""
+
+# NVML enum values are a stable C ABI; tests check them against pynvml.
+TEMPERATURE_GPU = 0
+FI_DEV_MEMORY_TEMP = 82
+CLOCK_SM, CLOCK_MEM = 1, 2
+PCIE_UTIL_TX_BYTES, PCIE_UTIL_RX_BYTES = 0, 1
+MEMORY_ERROR_CORRECTED, MEMORY_ERROR_UNCORRECTED, VOLATILE_ECC = 0, 1, 0
+RETIRED_MULTIPLE_SBE, RETIRED_DBE = 0, 1
+PSTATE_UNKNOWN = 32
+DEVICE_MIG_ENABLE = 1
+EVENT_XID_CRITICAL = 0x8
+
+CLOCK_EVENT_REASONS: dict[str, int] = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+_FIELD_VALUE_ATTR = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+def read_identity(call: Call, handle: object, index: int) -> dict[str, str]:
+    """A GPU's identity labels, read once per NVML initialisation (MIG mode changes need a reset)."""
+    mig = call("nvmlDeviceGetMigMode", handle)
+    pci = call("nvmlDeviceGetPciInfo", handle)
+    return {
+        "gpu": str(index),
+        "uuid": text(call("nvmlDeviceGetUUID", handle)),
+        "name": text(call("nvmlDeviceGetName", handle)),
+        "pci_bus_id": text(pci.busId) if pci is not None else "",
+        "serial": text(call("nvmlDeviceGetSerial", handle)),
+        "mig_mode": "" if mig is None else ("enabled" if mig[0] == DEVICE_MIG_ENABLE else "disabled"),
+    }
+
+
+def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool) -> dict[str, Any]:
+    """Raw readings of one GPU, keyed ``name[/arg...]`` like the fixture; None where unsupported."""
+    raw: dict[str, Any] = {}
+
+    def get(name: str, *args: int) -> None:
+        fn_args: tuple[Any, ...] = ([*args],) if name == "nvmlDeviceGetFieldValues" else args
+        raw["/".join([name, *map(str, args)])] = call(name, handle, *fn_args)
+
+    for name in ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPowerUsage",
+                 "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTotalEnergyConsumption",
+                 "nvmlDeviceGetPerformanceState", "nvmlDeviceGetCurrPcieLinkGeneration",
+                 "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetRemappedRows"):
+        get(name)
+    get("nvmlDeviceGetTemperature", TEMPERATURE_GPU)
+    get("nvmlDeviceGetFieldValues", FI_DEV_MEMORY_TEMP)
+    get("nvmlDeviceGetClockInfo", CLOCK_SM)
+    get("nvmlDeviceGetClockInfo", CLOCK_MEM)
+    get("nvmlDeviceGetCurrentClocksEventReasons")
+    if raw["nvmlDeviceGetCurrentClocksEventReasons"] is None:  # drivers before 535
+        get("nvmlDeviceGetCurrentClocksThrottleReasons")
+    for error_type in (MEMORY_ERROR_CORRECTED, MEMORY_ERROR_UNCORRECTED):
+        get("nvmlDeviceGetTotalEccErrors", error_type, VOLATILE_ECC)
+    for cause in (RETIRED_MULTIPLE_SBE, RETIRED_DBE):
+        get("nvmlDeviceGetRetiredPages", cause)
+    if pcie:  # about 20 ms per call on an H200
+        get("nvmlDeviceGetPcieThroughput", PCIE_UTIL_TX_BYTES)
+        get("nvmlDeviceGetPcieThroughput", PCIE_UTIL_RX_BYTES)
+    if processes:
+        get("nvmlDeviceGetComputeRunningProcesses")
+    return raw
+
+
+def parse_gpu(raw: Mapping[str, Any]) -> Series:
+    """Convert raw readings to base units: bytes, watts, joules, hertz, celsius, 0-1 ratios."""
+    s: Series = defaultdict(list)
+
+    def put(key: str, value: float | None, *labels: str) -> None:
+        if value is not None:
+            s[key].append((labels, float(value)))
+
+    util = raw.get("nvmlDeviceGetUtilizationRates")
+    if util is not None:
+        put("gpu_utilization_ratio", util.gpu / 100)
+        put("gpu_memory_utilization_ratio", util.memory / 100)
+    mem = raw.get("nvmlDeviceGetMemoryInfo")
+    if mem is not None:
+        put("gpu_memory_used_bytes", mem.used)
+        put("gpu_memory_free_bytes", mem.free)
+        put("gpu_memory_total_bytes", mem.total)
+    put("gpu_power_watts", _scaled(raw.get("nvmlDeviceGetPowerUsage"), 1e-3))
+    put("gpu_power_limit_watts", _scaled(raw.get("nvmlDeviceGetEnforcedPowerLimit"), 1e-3))
+    put("gpu_energy_joules_total", _scaled(raw.get("nvmlDeviceGetTotalEnergyConsumption"), 1e-3))
+    put("gpu_temperature_celsius", raw.get(f"nvmlDeviceGetTemperature/{TEMPERATURE_GPU}"), "gpu")
+    put("gpu_temperature_celsius", _field_value(raw.get(f"nvmlDeviceGetFieldValues/{FI_DEV_MEMORY_TEMP}")),
+        "memory")
+    put("gpu_clock_hertz", _scaled(raw.get(f"nvmlDeviceGetClockInfo/{CLOCK_SM}"), 1e6), "sm")
+    put("gpu_clock_hertz", _scaled(raw.get(f"nvmlDeviceGetClockInfo/{CLOCK_MEM}"), 1e6), "memory")
+    pstate = raw.get("nvmlDeviceGetPerformanceState")
+    put("gpu_performance_state", None if pstate == PSTATE_UNKNOWN else pstate)
+    reasons = raw.get("nvmlDeviceGetCurrentClocksEventReasons")
+    if reasons is None:
+        reasons = raw.get("nvmlDeviceGetCurrentClocksThrottleReasons")
+    if reasons is not None:
+        for reason, bit in CLOCK_EVENT_REASONS.items():
+            put("gpu_clock_event_active", 1 if reasons & bit else 0, reason)
+    put("gpu_pcie_link_generation", raw.get("nvmlDeviceGetCurrPcieLinkGeneration"))
+    put("gpu_pcie_link_width", raw.get("nvmlDeviceGetCurrPcieLinkWidth"))
+    for direction, counter in (("tx", PCIE_UTIL_TX_BYTES), ("rx", PCIE_UTIL_RX_BYTES)):
+        # NVML reports KB/s, where KB is 1024 bytes
+        put("gpu_pcie_throughput_bytes_per_second",
+            _scaled(raw.get(f"nvmlDeviceGetPcieThroughput/{counter}"), 1024), direction)
+    for kind, error_type in (("corrected", MEMORY_ERROR_CORRECTED),
+                             ("uncorrected", MEMORY_ERROR_UNCORRECTED)):
+        put("gpu_ecc_errors_total", raw.get(f"nvmlDeviceGetTotalEccErrors/{error_type}/{VOLATILE_ECC}"), kind)
+    for cause, code in (("multiple_single_bit_ecc", RETIRED_MULTIPLE_SBE), ("double_bit_ecc", RETIRED_DBE)):
+        pages = raw.get(f"nvmlDeviceGetRetiredPages/{code}")
+        put("gpu_retired_pages", None if pages is None else len(pages), cause)
+    rows = raw.get("nvmlDeviceGetRemappedRows")
+    if rows is not None:
+        for state, value in zip(("correctable", "uncorrectable", "pending", "failure"), rows, strict=False):
+            put("gpu_remapped_rows", value, state)
+    return dict(s)
+
+
+def sample_gpu(
+    info: Mapping[str, str], raw: Mapping[str, Any], *, driver_version: str, timestamp: float,
+    pid_to_rank: Mapping[int, tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    """One GPU's JSON-able sample from its identity (gpu, uuid, name, pci_bus_id, serial, mig_mode)."""
+    series = parse_gpu(raw)
+    identity = (info["name"], info["pci_bus_id"], driver_version, info["serial"], info["mig_mode"])
+    series["gpu_info"] = [(identity, 1.0)]
+    series["nvml_sample_timestamp_seconds"] = [((), timestamp)]
+    sample: dict[str, Any] = {**info, "timestamp": timestamp, "series": series}
+    if pid_to_rank is not None:
+        procs = process_rows(raw.get("nvmlDeviceGetComputeRunningProcesses"), pid_to_rank)
+        sample["processes"] = procs
+        if raw.get("nvmlDeviceGetComputeRunningProcesses") is not None:
+            series["gpu_process_memory_bytes"] = process_series(procs)
+    return sample
+
+
+def process_rows(
+    procs: Iterable[Any] | None, pid_to_rank: Mapping[int, tuple[str, str]]
+) -> list[dict[str, Any]]:
+    """Per-process memory, each tagged with its run and rank ("" and "" when not a rank)."""
+    rows = []
+    for p in procs or ():
+        run, rank = pid_to_rank.get(int(p.pid), ("", ""))
+        used = p.usedGpuMemory  # None where the driver cannot attribute memory
+        used_bytes = None if used is None else int(used)
+        rows.append({"pid": int(p.pid), "used_bytes": used_bytes, "run": run, "rank": rank})
+    return rows
+
+
+def process_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[Labels, float]]:
+    """Sum per-process memory by (run, rank): a pid never becomes a label."""
+    total: dict[Labels, float] = {}
+    for row in rows:
+        key = (row["run"], row["rank"])
+        total[key] = total.get(key, 0.0) + (row["used_bytes"] or 0)
+    return sorted(total.items())
+
+
+def families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> list[Metric]:
+    """Fresh families, in catalogue order, from GPU samples and XID counts keyed (gpu, uuid, xid)."""
+    rows: dict[str, list[tuple[Labels, float]]] = defaultdict(list)
+    for gpu in gpus:
+        base = (gpu["gpu"], gpu["uuid"])
+        for key, series in gpu["series"].items():
+            rows[key].extend((base + tuple(labels), value) for labels, value in series)
+    for labels, (count, last) in sorted(xids.items()):
+        rows["gpu_xid_errors_total"].append((labels, float(count)))
+        rows["gpu_xid_last_timestamp_seconds"].append((labels, last))
+    out = []
+    for spec in NVML_METRICS:
+        series = rows.get(spec.name[len(P):])
+        if series:
+            out.append(_family(spec, series))
+    return out
+
+
+def _family(spec: Spec, series: list[tuple[Labels, float]]) -> Metric:
+    if spec.kind == "info":
+        info = InfoMetricFamily(spec.name[: -len("_info")], spec.help, labels=GPU_LABELS)
+        for labels, _ in series:
+            info.add_metric(labels[:2], dict(zip(spec.labels, labels[2:], strict=True)))
+        return info
+    bare = spec.name[: -len("_total")] if spec.kind == "counter" else spec.name
+    unit = spec.unit if bare.endswith("_" + spec.unit) else ""  # e.g. bytes_per_second has no unit suffix
+    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+    family = cls(spec.name, spec.help, labels=spec.all_labels, unit=unit)
+    for labels, value in series:
+        family.add_metric(labels, value)
+    return family
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def _field_value(values: Sequence[Any] | None) -> float | None:
+    if not values or values[0].nvmlReturn != 0 or not 0 <= values[0].valueType < len(_FIELD_VALUE_ATTR):
+        return None
+    fv = values[0]
+    return float(getattr(fv.value, _FIELD_VALUE_ATTR[fv.valueType]))
+
+
+def text(value: object) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
