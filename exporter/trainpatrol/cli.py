@@ -15,6 +15,7 @@ from typing import Any
 from .control.actions import ACTIONS
 
 DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400")
+FAULTS = ("nan", "grad_spike", "fragmentation", "loader_stall", "none")
 
 
 def _agent_parser(sub: Any) -> None:
@@ -55,15 +56,28 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token (or TRAINPATROL_TOKEN)")
 
 
+def _demo_parser(sub: Any) -> None:
+    p = sub.add_parser("demo", help="train a small model with Patrol, inject a fault, pause and resume")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--run", default="demo")
+    p.add_argument("--agent-url", default="http://127.0.0.1:9400")
+    p.add_argument("--inject", default="nan@150", help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)}")
+    p.add_argument("--step-sleep", type=float, default=0.02, help="extra seconds per step, to watch it live")
+    p.add_argument("--auto-resume", type=float, default=3.0,
+                   help="seconds after a pause at which the demo asks the agent to resume (0: wait for you)")
+    p.add_argument("--workdir", default="demo-output", help="checkpoints and evidence go here")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=25, help="steps between validation-loss evaluations")
+    p.add_argument("--quiet", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainpatrol", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _agent_parser(sub)
     _control_parsers(sub)
-    d = sub.add_parser("demo", help="train a small model with Patrol, inject a fault, pause and resume")
-    from .demo import add_arguments
-
-    add_arguments(d)
+    _demo_parser(sub)
     r = sub.add_parser("report", help="(re)generate report.html of an evidence bundle")
     r.add_argument("bundle")
     return parser

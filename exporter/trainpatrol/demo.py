@@ -20,23 +20,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from .cli import FAULTS
 from .probe.memory import MemoryReading
-
-FAULTS = ("nan", "grad_spike", "fragmentation", "loader_stall", "none")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--run", default="demo")
-    p.add_argument("--agent-url", default="http://127.0.0.1:9400")
-    p.add_argument("--inject", default="nan@150", help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)}")
-    p.add_argument("--step-sleep", type=float, default=0.02, help="extra seconds per step, to watch it live")
-    p.add_argument("--auto-resume", type=float, default=3.0,
-                   help="seconds after a pause at which the demo asks the agent to resume (0: wait for you)")
-    p.add_argument("--workdir", default="demo-output", help="checkpoints and evidence go here")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--quiet", action="store_true")
 
 
 class SimulatedAllocator:
@@ -78,11 +63,20 @@ def _model(device: torch.device) -> nn.Module:
     return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 1)).to(device)
 
 
-def _data(n: int = 4096) -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
+def _data(n: int = 4096, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
     x = torch.randn(n, 32, generator=g)
-    w = torch.randn(32, 1, generator=g)
     return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def _validate(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = (t.to(device) for t in data.tensors)
+        loss = float(nn.functional.mse_loss(model(x), y))
+    model.train()
+    return loss
 
 
 def _run_state(agent_url: str, run: str) -> str:
@@ -130,6 +124,7 @@ def run_demo(args: argparse.Namespace) -> int:
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.steps, 1))
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     loader = StallingLoader(DataLoader(_data(), batch_size=64, shuffle=True), stall_seconds=0.05)
+    held_out = _data(512, seed=2)
     config = PatrolConfig(run=args.run, agent_url=args.agent_url, checkpoint_dir=str(work / "checkpoints"),
                           evidence_dir=str(work / "evidence"), memory_reader=allocator,
                           memory_interval_seconds=0.2)
@@ -164,6 +159,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
                 sched.step()
+                if step % args.eval_every == 0:
+                    patrol.evaluate(_validate(model, held_out, device))
                 if args.checkpoint_every and step % args.checkpoint_every == 0:
                     patrol.request("checkpoint", f"periodic checkpoint every {args.checkpoint_every} steps",
                                    source="demo")

@@ -70,17 +70,6 @@ class RankStore:
             queue.append(command)
             return True
 
-    def retire_done(self) -> None:
-        """Drop commands every live rank of their run reports as done."""
-        with self._lock:
-            for run, queue in list(self._commands.items()):
-                ranks = [e for (r, _), e in self._ranks.items() if r == run]
-                if not ranks:
-                    continue
-                self._commands[run] = [
-                    c for c in queue if not all(c.id in e.snapshot.done_commands for e in ranks)
-                ]
-
     # --- reads --------------------------------------------------------------------------------
     def expire(self) -> None:
         now = self._clock()
@@ -105,8 +94,11 @@ class RankStore:
         return {e.snapshot.pid: (e.snapshot.run, str(e.snapshot.rank)) for e in self.entries() if e.snapshot.pid}
 
     def pending(self, run: str) -> list[Command]:
+        """Commands some rank of ``run`` has not carried out yet."""
         with self._lock:
-            return list(self._commands.get(run, []))
+            ranks = [e.snapshot for (r, _), e in self._ranks.items() if r == run]
+            return [c for c in self._commands.get(run, [])
+                    if not ranks or not all(c.id in snap.done_commands for snap in ranks)]
 
     def runs(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}

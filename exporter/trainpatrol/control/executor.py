@@ -29,11 +29,13 @@ log = logging.getLogger("trainpatrol")
 class Executor:
     def __init__(self, patrol: Patrol) -> None:
         self.p = patrol
+        self._known: dict[int, dict[str, Any]] = {}
 
     # --- entry --------------------------------------------------------------------------------
     def execute(self, agreed: Agreement) -> None:
         p = self.p
         commands = {a: cid for a, cid in agreed.commands.items() if cid not in p._done}
+        self._known = {c["id"]: c for c in p.take_pending().values()}
         p.mark_done(agreed.commands.values())
         if not commands:
             return
@@ -123,10 +125,8 @@ class Executor:
         log.warning("trainpatrol: %s at step %d: %s %s", action, step, outcome, detail)
 
     def _trigger(self, cid: int, action: str) -> dict[str, Any]:
-        for c in self.p.take_pending().values():
-            if c["id"] == cid:
-                return c
-        return {"id": cid, "action": action, "source": "agreed with another rank"}
+        """The request as this rank heard it, or a note that only another rank heard it."""
+        return self._known.get(cid) or {"id": cid, "action": action, "source": "agreed with another rank"}
 
     # --- pause and stop -----------------------------------------------------------------------
     def _pause(self, agreed: Agreement) -> None:
@@ -144,6 +144,7 @@ class Executor:
             word = p.control_word()
             now = p.coordinator.blocking_exchange(word, agreed.step)
             fresh = {a: c for a, c in now.commands.items() if c not in p._done}
+            self._known = {c["id"]: c for c in p.take_pending().values()}
             p.mark_done(now.commands.values())
             if "stop" in fresh:
                 self._act("stop", fresh["stop"], now, self._trigger(fresh["stop"], "stop"))

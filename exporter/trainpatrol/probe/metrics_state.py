@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..catalogue import STEP_DURATION_BUCKETS
-from ..control.actions import RUN_STATES
+from ..control.actions import ACTIONS, RUN_STATES
 from .guards import GUARDS
 from .loader import LoaderAudit
 from .memory import MemoryReading
@@ -105,8 +105,9 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
     add("paused", 1.0 if state == "paused" else 0.0)
     for s in RUN_STATES:
         add("rank_state", 1.0 if s == state else 0.0, state=s)
-    for (action, outcome), n in sorted(t.actions.items()):
-        add("actions_total", n, action=action, outcome=outcome)
+    for action in ACTIONS:  # every series exists from the start, so increase() sees the first action
+        for outcome in ("ok", "failed", "skipped"):
+            add("actions_total", t.actions.get((action, outcome), 0.0), action=action, outcome=outcome)
     add("checkpoint_failures_total", t.checkpoint_failures)
     add("last_checkpoint_timestamp_seconds", latest.last_checkpoint_time)
     add("last_checkpoint_step", latest.last_checkpoint_step)

@@ -1,0 +1,186 @@
+"""Selectors, thresholds and windows of every trainpatrol rule, in one place (mixin-style).
+
+``DEFAULT`` is the shipped policy, rendered to ``alerting/rules.yml``. ``FAST`` keeps every
+threshold and shortens windows and ``for:`` durations, so an end-to-end test with 1 s scrape and
+evaluation intervals sees an alert within seconds. Thresholds are the seeds' defaults where they
+give one; the others are documented next to their field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Profile = Literal["default", "fast"]
+PROFILES: tuple[Profile, ...] = ("default", "fast")
+
+ALERT_PREFIX = "TrainPatrol"
+
+ALERTS: tuple[str, ...] = (
+    "NonFiniteLoss", "NonFiniteGrad", "GradNormExplosion", "LossSpike", "LossStagnation",
+    "ValLossDiverging", "MemoryFragmentationHigh", "AllocRetries", "OOMRisk", "DataLoaderBound",
+    "GPUUnderutilized", "RankStalled", "RankDown", "Straggler", "GPUXidError", "ThermalThrottle",
+    "EccUncorrectable", "RowRemapFailure", "AgentDown",
+)
+"""Alert names without the prefix, in the order they are rendered and documented."""
+
+DEFAULT_FOR: dict[str, str] = {
+    "NonFiniteLoss": "0s",  # increase() over a window already holds every NaN; act at once
+    "NonFiniteGrad": "0s",
+    "GradNormExplosion": "1m",  # a single clipped spike is not worth a pause; NaN alerts catch the rest
+    "LossSpike": "0s",  # spikes are short by nature and the action (capture) is cheap
+    "LossStagnation": "30m",
+    "ValLossDiverging": "15m",
+    "MemoryFragmentationHigh": "10m",  # seeds: 10 m
+    "AllocRetries": "10m",
+    "OOMRisk": "5m",
+    "DataLoaderBound": "10m",  # seeds: 10 m
+    "GPUUnderutilized": "15m",
+    "RankStalled": "5m",
+    "RankDown": "1m",
+    "Straggler": "15m",
+    "GPUXidError": "0s",
+    "ThermalThrottle": "5m",
+    "EccUncorrectable": "0s",
+    "RowRemapFailure": "5m",
+    "AgentDown": "2m",
+}
+
+_DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Config:
+    selector: str = 'job="trainpatrol"'
+    """Label matchers added to every selector; ``job`` is also what ``up`` is read with for AgentDown."""
+    runbook_base: str = "https://github.com/trainpatrol/trainpatrol/blob/main/docs/runbooks.md"
+    durations: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_FOR))
+    """``for:`` of each alert, by name without the prefix."""
+
+    # Non-finite loss and gradients.
+    nonfinite_window: str = "5m"
+    """increase() window: an alert stays active this long after the last non-finite step."""
+    nonfinite_grad_ignore_amp_skips: bool = True
+    """fp16 GradScaler skips steps with inf gradients by design; those are not an emergency."""
+
+    # Gradient norm.
+    grad_norm_factor: float = 10.0
+    """Explosion: the window max is above this many times the trailing median."""
+    grad_norm_ceiling: float = 1000.0
+    """Explosion whatever the history: no healthy model has a global grad norm this large."""
+    grad_norm_median_window: str = "30m"
+    grad_norm_min_samples: int = 10
+    """Samples of history needed before the relative test applies (no verdict during warm-up)."""
+
+    # Training loss.
+    loss_spike_factor: float = 3.0
+    """Spike: the window max loss is above this many times the trailing median of the window mean."""
+    loss_median_window: str = "30m"
+    loss_min_samples: int = 10
+    loss_stagnation_window: str = "2h"
+    """Stagnation: no new best (lowest) run-mean loss within this window..."""
+    loss_stagnation_history: str = "6h"
+    """...compared with the best over this much history before it."""
+
+    # Validation loss (the seeds' early-stop row).
+    val_loss_rise_ratio: float = 0.02
+    """Divergence: the validation loss is this fraction above its best within ``val_loss_best_window``."""
+    val_loss_best_window: str = "6h"
+    train_loss_trend_window: str = "30m"
+    """Training loss "falls": its mean over this window is below the same mean one offset earlier."""
+    train_loss_trend_offset: str = "1h"
+    val_loss_diverging_action: Literal["checkpoint", "stop"] = "checkpoint"
+
+    # CUDA memory.
+    fragmentation_ratio: float = 0.35  # seeds
+    fragmentation_min_reserved_bytes: int = 4 * GIB  # seeds: fragmentation only matters when much is cached
+    alloc_retries_window: str = "10m"
+    alloc_retries_threshold: float = 1.0
+    """AllocRetries: more than this many cudaMalloc retries in every window, for the ``for:`` duration."""
+    oom_used_ratio: float = 0.92  # seeds: allocated / capacity, also checked at the window peak
+
+    # Data loading, utilisation, stragglers.
+    loader_wait_ratio: float = 0.3  # seeds
+    gpu_underutilized_ratio: float = 0.5
+    gpu_underutilized_window: str = "15m"
+    straggler_ratio: float = 1.2
+    """Straggler: the rank's mean step time over 5 m is this many times the run's median."""
+
+    # Liveness.
+    stall_factor: float = 20.0
+    """RankStalled: no step for this many mean step times (the rank's lifetime mean)..."""
+    stall_min_seconds: float = 300.0
+    """...and never less than this, so evaluation and checkpoint pauses do not count as stalls."""
+
+    # GPU health (NVML).
+    xid_recent_seconds: float = 300.0
+    """GPUXidError stays active this long after the last XID (read from its last-seen timestamp)."""
+    ecc_window: str = "10m"
+    """EccUncorrectable stays active this long after the last uncorrected ECC error."""
+    thermal_reason_regex: str = "(?i).*thermal.*"
+    """``reason`` values of trainpatrol_gpu_clock_event_active that mean thermal throttling."""
+
+    def validate(self) -> Config:
+        """Check durations and names; errors quote the key and value."""
+        missing = [a for a in ALERTS if a not in self.durations]
+        if missing:
+            raise ValueError(f"Config 'durations' has no entry for {missing[0]!r}. Expected one per alert.")
+        for key, value in self.durations.items():
+            if key not in ALERTS:
+                raise ValueError(f"Config 'durations' has key {key!r}. Not an alert name.")
+            _check_duration(f"durations[{key!r}]", value)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith(("_window", "_history", "_offset")):
+                _check_duration(f.name, value)
+        if self.val_loss_diverging_action not in ("checkpoint", "stop"):
+            raise ValueError(
+                f"Config 'val_loss_diverging_action' has value {self.val_loss_diverging_action!r}. "
+                "Expected 'checkpoint' or 'stop'."
+            )
+        return self
+
+    def for_(self, alert: str) -> str:
+        return self.durations[alert]
+
+
+def _check_duration(key: str, value: str) -> None:
+    if not _DURATION.match(value):
+        raise ValueError(f"Config {key!r} has value {value!r}. Not a Prometheus duration (e.g. '5m').")
+
+
+DEFAULT = Config()
+
+FAST = dataclasses.replace(
+    DEFAULT,
+    durations={a: "0s" for a in ALERTS},
+    nonfinite_window="1m",
+    grad_norm_median_window="1m",
+    grad_norm_min_samples=3,
+    loss_median_window="1m",
+    loss_min_samples=3,
+    loss_stagnation_window="1m",
+    loss_stagnation_history="2m",
+    val_loss_best_window="5m",
+    train_loss_trend_window="30s",
+    train_loss_trend_offset="30s",
+    alloc_retries_window="1m",
+    gpu_underutilized_window="1m",
+    stall_min_seconds=10.0,
+    xid_recent_seconds=60.0,
+    ecc_window="1m",
+)
+"""Same thresholds, short windows and ``for: 0s``: for tests at 1 s scrape and evaluation."""
+
+
+def profile(name: str) -> Config:
+    """The config of a named profile."""
+    if name == "default":
+        return DEFAULT
+    if name == "fast":
+        return FAST
+    raise ValueError(f"Profile {name!r} is not known. Expected one of {', '.join(PROFILES)}.")

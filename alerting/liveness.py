@@ -1,0 +1,52 @@
+"""Alerts on liveness: a rank that hangs, a rank that is gone, an agent that is gone."""
+
+from __future__ import annotations
+
+from .config import Config
+from .promql import INSTANCE, RANK, RANK_ON, RUN, Alert, Group, num, sel
+
+
+def group(cfg: Config) -> Group:
+    def s(metric: str, *matchers: str) -> str:
+        return sel(cfg, metric, *matchers)
+
+    # The usual step time is the rank's lifetime mean: it never goes NaN during a long stall,
+    # unlike a rate over a window that the stall has emptied.
+    stalled = (
+        f"(time() - ({s('trainpatrol_rank_last_step_timestamp_seconds')} > 0))\n"
+        f"> on ({RANK_ON})\n"
+        "clamp_min(\n"
+        f"  {num(cfg.stall_factor)} * {s('trainpatrol_step_duration_seconds_sum')}\n"
+        f"  / on ({RANK_ON})\n"
+        f"  clamp_min({s('trainpatrol_step_duration_seconds_count')}, 1),\n"
+        f"  {num(cfg.stall_min_seconds)}\n"
+        ")\n"
+        f"and on ({RANK_ON})\n({s('trainpatrol_rank_up')} == 1)\n"
+        f"unless on ({RANK_ON})\n({s('trainpatrol_paused')} == 1)"
+    )
+    # A rank that closed or stopped on purpose is not down.
+    finished = s("trainpatrol_rank_state", 'state=~"closed|stopped"')
+    down = f"{s('trainpatrol_rank_up')} == 0\nunless on ({RANK_ON})\n({finished} == 1)"
+    rules = (
+        Alert(
+            "RankStalled", stalled, "critical",
+            "A rank is alive but makes no progress.",
+            f"Rank {RANK} of run {RUN} on {INSTANCE} still pushes metrics but has not finished a step for "
+            f"{{{{ $value | humanizeDuration }}}}, more than {num(cfg.stall_factor)}x its mean step time. "
+            "trainpatrol captures all-thread stacks to show where it hangs.",
+            action="capture",
+        ),
+        Alert(
+            "RankDown", down, "critical",
+            "A rank stopped reporting.",
+            f"Rank {RANK} of run {RUN} has not pushed to the agent at {INSTANCE} within its liveness TTL, "
+            "and did not close: the process died, or it cannot reach the agent.",
+        ),
+        Alert(
+            "AgentDown", f"{s('up')} == 0", "warning",
+            "A trainpatrol agent cannot be scraped.",
+            f"Prometheus cannot scrape the trainpatrol agent at {INSTANCE}: its ranks and GPUs are unwatched, "
+            "and alerts cannot act on them through it. Local guards in the ranks still work.",
+        ),
+    )
+    return Group("trainpatrol-liveness", rules)

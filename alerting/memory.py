@@ -1,0 +1,56 @@
+"""Alerts on the CUDA caching allocator: fragmentation, alloc retries and OOM risk."""
+
+from __future__ import annotations
+
+from .config import Config
+from .promql import COUNT, INSTANCE, PERCENT, RANK, RANK_ON, RUN, Alert, Group, num, sel
+from .recording import PEAK_USED_RANK
+
+
+def group(cfg: Config) -> Group:
+    def s(metric: str, *matchers: str) -> str:
+        return sel(cfg, metric, *matchers)
+
+    fragmentation = (
+        f"{s('trainpatrol_cuda_memory_fragmentation_ratio')} > {num(cfg.fragmentation_ratio)}\n"
+        f"and on ({RANK_ON})\n"
+        f"{s('trainpatrol_cuda_memory_reserved_bytes')} > {num(cfg.fragmentation_min_reserved_bytes)}"
+    )
+    retries = (
+        f"increase({s('trainpatrol_cuda_alloc_retries_total')}[{cfg.alloc_retries_window}])"
+        f" > {num(cfg.alloc_retries_threshold)}"
+    )
+    # The left side wins where both hold (``or`` matches label sets without the metric name), so
+    # each rank yields one alert.
+    oom = (
+        f"{s('trainpatrol_cuda_memory_used_ratio')} > {num(cfg.oom_used_ratio)}\n"
+        f"or\n{PEAK_USED_RANK} > {num(cfg.oom_used_ratio)}"
+    )
+    who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
+    gib = num(cfg.fragmentation_min_reserved_bytes / 1024**3)
+    rules = (
+        Alert(
+            "MemoryFragmentationHigh", fragmentation, "warning",
+            "The CUDA caching allocator is fragmented.",
+            f"{who}: {PERCENT} of the reserved CUDA memory is cached but not allocated (threshold "
+            f"{num(cfg.fragmentation_ratio * 100)}% with more than {gib} GiB reserved). "
+            "trainpatrol empties the allocator cache at the next step boundary.",
+            action="empty_cache",
+        ),
+        Alert(
+            "AllocRetries", retries, "warning",
+            "The CUDA allocator keeps retrying allocations.",
+            f"{who}: {COUNT} cudaMalloc retries in the last {cfg.alloc_retries_window}. Each one freed "
+            "the allocator cache and stalled the step. trainpatrol captures the allocator state.",
+            action="capture",
+        ),
+        Alert(
+            "OOMRisk", oom, "critical",
+            "The rank is close to running out of GPU memory.",
+            f"{who} uses {PERCENT} of its device memory (allocated, or the recent peak, over capacity; "
+            f"threshold {num(cfg.oom_used_ratio * 100)}%). trainpatrol checkpoints the run before an OOM can "
+            "lose the progress.",
+            action="checkpoint",
+        ),
+    )
+    return Group("trainpatrol-memory", rules)

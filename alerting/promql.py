@@ -1,0 +1,109 @@
+"""Rule types and the few PromQL building blocks the rule groups share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .config import ALERT_PREFIX, Config
+
+Severity = Literal["critical", "warning", "info"]
+
+RANK_ON = "job, instance, run, rank"
+"""Identity of a rank's series as scraped: the agent (job, instance) and the rank (run, rank)."""
+GPU_ON = "job, instance, uuid"
+RUN_ON = "job, run"
+
+RANK_INFO = "instance_uuid:trainpatrol_rank_info:topk1_live"
+"""One rank per GPU (a live one first), with ``uuid`` copied from ``gpu_uuid``: the join table."""
+
+# Annotation template pieces (Go templates, rendered by Prometheus).
+RUN = "{{ $labels.run }}"
+RANK = "{{ $labels.rank }}"
+INSTANCE = "{{ $labels.instance }}"
+GPU = "{{ $labels.gpu }}"
+UUID = "{{ $labels.uuid }}"
+HOST = "{{ $labels.host }}"
+VALUE = "{{ $value | humanize }}"
+PERCENT = "{{ $value | humanizePercentage }}"
+COUNT = '{{ printf "%.0f" $value }}'
+
+
+@dataclass(frozen=True)
+class Recording:
+    record: str
+    expr: str
+
+    def to_dict(self, cfg: Config) -> dict[str, object]:
+        return {"record": self.record, "expr": self.expr}
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    """Without the prefix; also the key of the alert's ``for:`` in the config."""
+    expr: str
+    severity: Severity
+    summary: str
+    description: str
+    action: str | None = None
+
+    @property
+    def alertname(self) -> str:
+        return ALERT_PREFIX + self.name
+
+    def to_dict(self, cfg: Config) -> dict[str, object]:
+        if not self.summary.endswith("."):
+            raise ValueError(f"Alert {self.alertname!r} has summary {self.summary!r}. It must end in a period.")
+        labels: dict[str, str] = {"severity": self.severity}
+        if self.action:
+            labels["action"] = self.action
+        return {
+            "alert": self.alertname,
+            "expr": self.expr,
+            "for": cfg.for_(self.name),
+            "labels": labels,
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": f"{cfg.runbook_base}#{self.alertname.lower()}",
+            },
+        }
+
+
+Rule = Recording | Alert
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    rules: tuple[Rule, ...]
+
+    def to_dict(self, cfg: Config) -> dict[str, object]:
+        return {"name": self.name, "rules": [r.to_dict(cfg) for r in self.rules]}
+
+
+def sel(cfg: Config, metric: str, *matchers: str) -> str:
+    """``metric{<config selector>,<matchers>}``."""
+    parts = [p for p in (cfg.selector, *matchers) if p]
+    return f"{metric}{{{','.join(parts)}}}" if parts else metric
+
+
+def num(x: float) -> str:
+    """A threshold as PromQL writes it: integers without a fraction, no exponent."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def on_rank(gpu_expr: str) -> str:
+    """GPU series that a rank uses, with that rank's run, rank and host added."""
+    left = f"(\n{indent(gpu_expr)}\n)" if " " in gpu_expr else gpu_expr
+    return f"{left}\n* on ({GPU_ON}) group_left (run, rank, host)\n  {RANK_INFO}"
+
+
+def on_rank_or_gpu(gpu_expr: str) -> str:
+    """GPU series with run, rank and host where a rank uses the GPU, unchanged where none does."""
+    return f"(\n{indent(on_rank(gpu_expr))}\n)\nor on ({GPU_ON})\n{gpu_expr}"
+
+
+def indent(text: str, by: str = "  ") -> str:
+    return "\n".join(by + line if line else line for line in text.splitlines())

@@ -1,0 +1,92 @@
+"""Recording rules: per-rank and per-run aggregates that alerts and dashboards share.
+
+Names follow ``level:metric:operations`` (level ``run`` = by job and run, ``run_rank`` = one series
+per rank, ``instance_uuid`` = one per GPU). Windows are fixed at 5 m in every profile, so a name
+never lies about its window.
+"""
+
+from __future__ import annotations
+
+from .config import Config
+from .promql import GPU_ON, RANK_INFO, RANK_ON, RUN_ON, Group, Recording, indent, on_rank, sel
+
+LOADER_WAIT_RANK = "run_rank:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
+LOADER_WAIT_RUN = "run:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
+STEP_MEAN_RANK = "run_rank:trainpatrol_step_duration_seconds:mean5m"
+STEP_MEDIAN_RUN = "run:trainpatrol_step_duration_seconds:median_mean5m"
+STRAGGLER_RATIO = "run_rank:trainpatrol_step_duration_seconds_per_run_median:ratio_mean5m"
+STEP_RATE_RUN = "run:trainpatrol_step:max_rate5m"
+PEAK_USED_RANK = "run_rank:trainpatrol_cuda_memory_peak_used:ratio"
+LOSS_RUN = "run:trainpatrol_loss_window_mean:avg"
+VAL_LOSS_RUN = "run:trainpatrol_validation_loss:avg"
+
+
+def group(cfg: Config) -> Group:
+    def s(metric: str, *matchers: str) -> str:
+        return sel(cfg, metric, *matchers)
+
+    def ratio_by_run(num: str, den: str) -> str:
+        return (
+            f"sum by ({RUN_ON}) (rate({s(num)}[5m]))\n/ on ({RUN_ON})\n"
+            f"sum by ({RUN_ON}) (rate({s(den)}[5m]))"
+        )
+
+    def run_rate(metric: str, agg: str = "sum") -> str:
+        return f"{agg} by ({RUN_ON}) (rate({s(metric)}[5m]))"
+
+    def run_quantile(q: float) -> str:
+        return (
+            f"histogram_quantile({q}, sum by ({RUN_ON}, le) "
+            f"(rate({s('trainpatrol_step_duration_seconds_bucket')}[5m])))"
+        )
+
+    with_gpu = s("trainpatrol_rank_info", 'gpu_uuid!=""')
+    rank_info = f'label_replace({with_gpu}, "uuid", "$1", "gpu_uuid", "(.+)")'
+    rules = (
+        # Time waiting for data over step time: above about 0.3 the GPU starves.
+        Recording(
+            LOADER_WAIT_RANK,
+            f"rate({s('trainpatrol_loader_wait_seconds_total')}[5m])\n/ on ({RANK_ON})\n"
+            f"rate({s('trainpatrol_step_duration_seconds_sum')}[5m])",
+        ),
+        Recording(
+            LOADER_WAIT_RUN,
+            ratio_by_run("trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum"),
+        ),
+        # Throughput of the whole run: every rank counts the samples and tokens it consumed.
+        Recording("run:trainpatrol_samples:rate5m", run_rate("trainpatrol_samples_total")),
+        Recording("run:trainpatrol_tokens:rate5m", run_rate("trainpatrol_tokens_total")),
+        # Optimizer steps per second of the run: ranks step together, so the fastest one counts.
+        Recording(STEP_RATE_RUN, run_rate("trainpatrol_step_total", "max")),
+        Recording("run:trainpatrol_step_duration_seconds:p50_rate5m", run_quantile(0.5)),
+        Recording("run:trainpatrol_step_duration_seconds:p90_rate5m", run_quantile(0.9)),
+        Recording(
+            STEP_MEAN_RANK,
+            f"rate({s('trainpatrol_step_duration_seconds_sum')}[5m])\n/ on ({RANK_ON})\n"
+            f"rate({s('trainpatrol_step_duration_seconds_count')}[5m])",
+        ),
+        Recording(STEP_MEDIAN_RUN, f"quantile by ({RUN_ON}) (0.5, {STEP_MEAN_RANK})"),
+        # The straggler ratio: 1 is the run's median rank; 1.5 is half as slow again.
+        Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({RUN_ON}) group_left ()\n{STEP_MEDIAN_RUN}"),
+        # The join table from GPUs to ranks. topk keeps it unique per GPU, so a finished run's
+        # lingering series or two ranks on one GPU cannot break a join; a live rank wins.
+        Recording(
+            RANK_INFO,
+            "clamp_max(\n  topk by (" + GPU_ON + ") (1,\n"
+            + indent(f"{rank_info}\n* on ({RANK_ON}) group_left ()\n(1 + {s('trainpatrol_rank_up')})", "    ")
+            + "\n  ),\n  1\n)",
+        ),
+        Recording(
+            "run:trainpatrol_gpu_utilization_ratio:avg",
+            f"avg by ({RUN_ON}) (\n{indent(on_rank(s('trainpatrol_gpu_utilization_ratio')))}\n)",
+        ),
+        # Peak over the probe's window, so an OOM-sized spike between two scrapes still shows.
+        Recording(
+            PEAK_USED_RANK,
+            f"{s('trainpatrol_cuda_memory_peak_allocated_bytes')}\n/ on ({RANK_ON})\n"
+            f"{s('trainpatrol_cuda_memory_capacity_bytes')}",
+        ),
+        Recording(LOSS_RUN, f"avg by ({RUN_ON}) ({s('trainpatrol_loss_window_mean')})"),
+        Recording(VAL_LOSS_RUN, f"avg by ({RUN_ON}) ({s('trainpatrol_validation_loss')})"),
+    )
+    return Group("trainpatrol-recording", rules)

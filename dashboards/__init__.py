@@ -1,0 +1,1 @@
+"""Grafana dashboards as code: ``python -m dashboards.generate`` writes the JSON beside this package."""

@@ -1,0 +1,252 @@
+"""Hugging Face ``Trainer`` callback: ``Trainer(..., callbacks=[TrainPatrolCallback(run="my-run")])``.
+
+The Patrol is stepped once per optimizer step and acts at the step's end, through the Trainer's own
+control flags where they fit. What it reads, all without a host-device sync of its own:
+
+- loss: what the model returns for the step's micro-batches, caught by a forward hook and reduced
+  the way the Trainer reduces it; it stays on the device and Patrol reads it one step late. The
+  Trainer's NaN filter (``logging_nan_inf_filter``) does not hide a NaN from Patrol's guards.
+- grad norm (pre-clip) and learning rate: the Trainer's own values, on steps it logs; with
+  ``logging_steps=1`` every step has them. Other steps carry no grad norm.
+- samples and tokens: the batch shape of ``input_ids``; loader wait: the time between the Trainer's
+  previous hook and ``on_step_begin``, which is where it fetches batches.
+
+Actions: ``checkpoint`` writes Patrol's checkpoint and sets ``control.should_save`` so the Trainer writes
+its resumable ``checkpoint-N`` at the same step; ``pause`` blocks in the callback until ``resume``;
+``stop`` checkpoints both ways, then raises ``SystemExit(86)`` (``trainpatrol.STOP_EXIT_CODE``) once the
+Trainer has saved: resume with ``trainer.train(resume_from_checkpoint=...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..control.actions import STOP_EXIT_CODE
+from ..probe.config import PatrolConfig
+from ..probe.patrol import Patrol
+from ..protocol import ActionRecord
+
+log = logging.getLogger("trainpatrol")
+
+__all__ = ["TrainPatrolCallback"]
+
+
+class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # Any without transformers
+    """Feeds a Patrol from the Trainer and carries out its agreed actions at step ends.
+
+    Pass a ``Patrol``, a ``PatrolConfig`` and/or ``PatrolConfig`` fields as keywords. Built from a config,
+    the Patrol is created at ``on_train_begin`` (after ``torch.distributed`` is up, so ranks agree) with
+    the Trainer's model, optimizer and scheduler, and closed at ``on_train_end``.
+    """
+
+    def __init__(self, patrol: Patrol | PatrolConfig | None = None, **config: Any) -> None:
+        if isinstance(patrol, Patrol):
+            if config:
+                raise TypeError(f"`TrainPatrolCallback(patrol, {', '.join(config)}=...)`: keywords configure a "
+                                "Patrol the callback builds; pass a PatrolConfig instead of a Patrol.")
+            _check_accum(patrol.config)
+            self._config: PatrolConfig | None = None
+        else:
+            self._config = _check_accum(replace(patrol or PatrolConfig(), **config).validate())
+        self.patrol: Patrol | None = patrol if isinstance(patrol, Patrol) else None
+        self._owned = self.patrol is None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._micro: list[torch.Tensor] = []
+        self._scaled = False
+        self._loss_scale = 1
+        self._samples = self._tokens = 0
+        self._step_loss: torch.Tensor | None = None
+        self._learning_rates: list[float] = []
+        self._due = False
+        self._stopping = False
+        self._warned_no_loss = False
+        self._last_hook = time.perf_counter()
+
+    # --- hooks -------------------------------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
+                       **kwargs: Any) -> None:
+        """Build (or complete) the Patrol, align it to the Trainer's step and hook the model's loss."""
+        if self._owned:  # a new one for every train() call: the last one was closed
+            assert self._config is not None
+            # built without the model, so Patrol computes no grad norm of its own from zeroed grads
+            self.patrol = Patrol(optimizer=optimizer, scheduler=lr_scheduler, device=args.device, config=self._config)
+        assert self.patrol is not None
+        patrol = self.patrol
+        patrol.model = patrol.model or model
+        patrol.optimizer = patrol.optimizer or optimizer
+        patrol.scheduler = patrol.scheduler or lr_scheduler
+        _start_at(patrol, state.global_step)
+        self._stopping = self._due = False
+        self._loss_scale = args.world_size if args.average_tokens_across_devices and args.world_size > 1 else 1
+        if model is not None:
+            self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._last_hook = time.perf_counter()
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        """Start timing the loader wait (the epoch's first fetch builds the iterator)."""
+        self._last_hook = time.perf_counter()
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        """Count the batch fetch that just happened as loader wait; start a new step."""
+        if self._due:  # the Trainer did not log the step it said it would: finish it without its values
+            self._finish(state, control, None, None)
+        if self.patrol is not None:
+            self.patrol._waited(time.perf_counter() - self._last_hook)
+        self._micro, self._samples, self._tokens, self._scaled = [], 0, 0, False
+
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                          optimizer: Any = None, **kwargs: Any) -> None:
+        """Read the learning rates of this step (the scheduler steps after this hook)."""
+        opt = optimizer or (self.patrol.optimizer if self.patrol else None)
+        if opt is not None:
+            self._learning_rates = [float(g["lr"]) for g in opt.param_groups if isinstance(g.get("lr"), float | int)]
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """Step the Patrol and act, unless the Trainer logs this step: then ``on_log`` does both."""
+        self._step_loss = self._reduce()
+        self._due = True
+        if control.should_log:  # set by DefaultFlowCallback, which runs before user callbacks
+            return
+        self._finish(state, control, None, None)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        """Step the Patrol with the Trainer's logged grad norm, then act (before the Trainer saves)."""
+        if self._due and logs is not None and "loss" in logs:
+            self._finish(state, control, logs.get("grad_norm"), logs["loss"])
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
+        """Record ``eval_loss`` as the validation loss."""
+        if self.patrol is not None and metrics and "eval_loss" in metrics:
+            self.patrol.evaluate(metrics["eval_loss"])
+        self._last_hook = time.perf_counter()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        """After an agreed ``stop``, exit with ``STOP_EXIT_CODE`` once the Trainer's checkpoint is written."""
+        self._last_hook = time.perf_counter()
+        if self._stopping:
+            self._close()
+            raise SystemExit(STOP_EXIT_CODE)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        """Unhook the model and close a Patrol this callback built (a final push)."""
+        self._close()
+        if self._stopping:
+            raise SystemExit(STOP_EXIT_CODE)
+
+    # --- internals ---------------------------------------------------------------------------
+    def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    output: Any) -> None:
+        if not module.training:
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else None
+        if loss is None and isinstance(output, tuple | list) and output and "labels" in kwargs:
+            loss = output[0]
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._micro.append(loss.detach())
+            # the Trainer passes num_items_in_batch only when the model normalises over the whole step
+            self._scaled = kwargs.get("num_items_in_batch") is not None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+            self._samples += ids.shape[0]
+            self._tokens += ids.numel() if ids.dim() >= 2 else 0
+
+    def _reduce(self) -> torch.Tensor | None:
+        """The step's loss as the Trainer computes its ``tr_loss`` (same operations, same order)."""
+        if not self._micro:
+            return None
+        if not self._scaled:  # a per-batch mean: the Trainer divides it by the number of micro-batches
+            parts = [m / len(self._micro) for m in self._micro]
+        elif self._loss_scale != 1:  # normalised over all ranks' tokens: the Trainer scales it back up
+            parts = [m * self._loss_scale for m in self._micro]
+        else:
+            parts = self._micro
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return total
+
+    def _finish(self, state: TrainerState, control: TrainerControl, grad_norm: float | None,
+                logged_loss: float | None) -> None:
+        self._due = False
+        patrol = self.patrol
+        if patrol is None:
+            return
+        loss = self._step_loss
+        if loss is None and logged_loss is not None:
+            loss = torch.tensor(logged_loss, dtype=torch.float64)
+        if loss is None:
+            if not self._warned_no_loss:
+                self._warned_no_loss = True
+                log.warning("trainpatrol: the model returned no loss (a custom compute_loss?); steps are counted "
+                            "and actions work, but the loss is seen only on steps the Trainer logs")
+            patrol.totals.steps += 1
+            patrol.totals.micro_steps += 1
+        else:
+            patrol.totals.steps = state.global_step - 1  # steps without a loss were counted above
+            patrol.step(loss, grad_norm=grad_norm, batch_size=self._samples, tokens=self._tokens)
+            if self._learning_rates:
+                patrol.latest.learning_rates = self._learning_rates
+        self._step_loss = None
+        self._boundary(control)
+        self._last_hook = time.perf_counter()
+
+    def _boundary(self, control: TrainerControl) -> None:
+        assert self.patrol is not None
+        before = self.patrol.actions[-1] if self.patrol.actions else None
+        try:
+            self.patrol.boundary()
+        except SystemExit as exc:
+            if exc.code != STOP_EXIT_CODE:
+                raise
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+        for rec in _new_actions(self.patrol, before):
+            if rec.action == "checkpoint" and rec.outcome == "ok":
+                control.should_save = True
+
+    def _close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._owned and self.patrol is not None:
+            self.patrol.close()
+
+
+def _check_accum(cfg: PatrolConfig) -> PatrolConfig:
+    if cfg.grad_accum_steps != 1:
+        raise ValueError(f"`PatrolConfig(grad_accum_steps={cfg.grad_accum_steps!r})`: the callback steps the Patrol "
+                         "once per optimizer step and reads the Trainer's accumulation itself; leave it at 1.")
+    return cfg
+
+
+def _start_at(patrol: Patrol, step: int) -> None:
+    """Align a Patrol with a framework that starts (or resumes) at ``step``; Patrol.restore does the same."""
+    patrol.totals.steps = step
+    patrol.totals.micro_steps = step * patrol.config.grad_accum_steps
+    patrol.coordinator.next_exchange = step + patrol.coordinator.interval
+    patrol._last_step_end = time.perf_counter()
+
+
+def _new_actions(patrol: Patrol, before: ActionRecord | None) -> list[ActionRecord]:
+    new: list[ActionRecord] = []
+    for rec in reversed(patrol.actions):
+        if rec is before:
+            break
+        new.append(rec)
+    return new[::-1]

@@ -1,0 +1,240 @@
+"""Lightning callback: ``Trainer(..., callbacks=[TrainPatrolCallback(run="my-run")])``, DDP included.
+
+The Patrol is stepped once per optimizer step, in ``on_train_batch_end``, and acts right after. What
+it reads, all without a host-device sync of its own:
+
+- loss: the ``loss`` that ``training_step`` returned, summed over the step's accumulated batches
+  (Lightning divides each by ``accumulate_grad_batches``); it stays on the device and Patrol reads it
+  one step late;
+- grad norm: the pre-clip global L2 norm (``torch._foreach_norm``), taken in ``on_before_optimizer_step``;
+- learning rates: every optimizer's param groups as the step used them (schedulers step later);
+- samples and tokens: the batch's first dimension (tokens: ``input_ids`` of a dict batch); loader wait:
+  the time between the previous batch's end and ``on_train_batch_start``, where Lightning fetches;
+- validation loss: ``trainer.callback_metrics[val_loss_key]`` after each validation.
+
+Actions: ``checkpoint`` writes Patrol's checkpoint and ``trainer.save_checkpoint`` (a resumable
+``trainpatrol-step=N.ckpt`` beside ModelCheckpoint's); ``pause`` blocks in the callback until ``resume``
+(DDP ranks wait outside any collective); ``stop`` checkpoints both ways and raises ``SystemExit(86)``
+(``trainpatrol.STOP_EXIT_CODE``): resume with ``trainer.fit(model, ckpt_path=...)``.
+
+Under DDP, pass a config (not a Patrol built before ``fit``): the Patrol is built in ``on_train_start``,
+once ``torch.distributed`` is up, so its coordinator makes every rank act at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ..control.actions import STOP_EXIT_CODE
+from ..probe import device_values as dv
+from ..probe.config import PatrolConfig
+from ..probe.patrol import Patrol
+from ..protocol import ActionRecord
+
+log = logging.getLogger("trainpatrol")
+
+__all__ = ["TrainPatrolCallback"]
+
+
+class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # Any without lightning
+    """Feeds a Patrol from Lightning's hooks and carries out its agreed actions after each optimizer step.
+
+    Pass a ``Patrol``, a ``PatrolConfig`` and/or ``PatrolConfig`` fields as keywords. Built from a config,
+    the Patrol gets the LightningModule, the optimizer and its scheduler, and is closed when training ends.
+    """
+
+    def __init__(self, patrol: Patrol | PatrolConfig | None = None, *, val_loss_key: str = "val_loss",
+                 **config: Any) -> None:
+        if isinstance(patrol, Patrol):
+            if config:
+                raise TypeError(f"`TrainPatrolCallback(patrol, {', '.join(config)}=...)`: keywords configure a "
+                                "Patrol the callback builds; pass a PatrolConfig instead of a Patrol.")
+            _check_accum(patrol.config)
+            self._config: PatrolConfig | None = None
+        else:
+            self._config = _check_accum(replace(patrol or PatrolConfig(), **config).validate())
+        self.patrol: Patrol | None = patrol if isinstance(patrol, Patrol) else None
+        self.val_loss_key = val_loss_key
+        self.last_trainer_checkpoint = ""
+        """Path of the last checkpoint this callback had Lightning write (for ``fit(ckpt_path=...)``)."""
+        self._owned = self.patrol is None
+        self._seen_step = 0
+        self._loss: torch.Tensor | None = None
+        self._micro = self._samples = self._tokens = 0
+        self._grad_norm: torch.Tensor | None = None
+        self._grad_norm_step = -1
+        self._learning_rates: list[float] = []
+        self._warned_no_loss = False
+        self._last_hook = time.perf_counter()
+
+    # --- hooks -------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build (or complete) the Patrol once the process group is up; align it to the global step."""
+        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        configs = trainer.lr_scheduler_configs
+        scheduler = configs[0].scheduler if len(configs) == 1 else None
+        if self._owned:  # a new one for every fit() call: the last one was closed
+            assert self._config is not None
+            scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16 AMP: Patrol exports the loss scale
+            self.patrol = Patrol(model=pl_module, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                 config=self._config)
+        elif self.patrol is not None and trainer.world_size > 1 and not self.patrol.coordinator.distributed:
+            log.warning("trainpatrol: this Patrol was built before torch.distributed was initialised, so ranks "
+                        "will not agree on actions; give TrainPatrolCallback a PatrolConfig instead")
+        patrol = self.patrol
+        assert patrol is not None
+        patrol.model = patrol.model or pl_module
+        patrol.optimizer = patrol.optimizer or optimizer
+        patrol.scheduler = patrol.scheduler or scheduler
+        _start_at(patrol, trainer.global_step)
+        self._seen_step = trainer.global_step
+        self._reset_step()
+        self._last_hook = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start timing the loader wait (the epoch's first fetch builds the iterator)."""
+        self._last_hook = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """Count the fetch of this batch as loader wait."""
+        if self.patrol is not None:
+            self.patrol._waited(time.perf_counter() - self._last_hook)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        """Take the pre-clip grad norm (on the device) and the learning rates this step uses."""
+        if self._grad_norm_step != trainer.global_step:
+            self._grad_norm_step = trainer.global_step
+            self._grad_norm = dv.total_grad_norm(pl_module.parameters())
+            self._learning_rates = [float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups
+                                    if isinstance(g.get("lr"), float | int)]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Accumulate the batch; after an optimizer step, step the Patrol and carry out agreed actions."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.detach()
+            self._loss = loss if self._loss is None else self._loss + loss
+        self._micro += 1
+        samples, tokens = _batch_size(batch)
+        self._samples += samples
+        self._tokens += tokens
+        if trainer.global_step > self._seen_step and self.patrol is not None:
+            self._seen_step = trainer.global_step
+            self._record(trainer.global_step)
+            self._boundary(trainer)
+        self._last_hook = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Record ``callback_metrics[val_loss_key]`` as the validation loss (off the hot path)."""
+        value = trainer.callback_metrics.get(self.val_loss_key)
+        if self.patrol is not None and value is not None and not trainer.sanity_checking:
+            self.patrol.evaluate(value)
+        self._last_hook = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Close a Patrol this callback built (a final push)."""
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Close a Patrol this callback built, ``stop``'s ``SystemExit`` included."""
+        self._close()
+
+    # --- internals ---------------------------------------------------------------------------
+    def _record(self, step: int) -> None:
+        patrol = self.patrol
+        assert patrol is not None
+        patrol.totals.steps = step - 1
+        if self._loss is None:
+            if not self._warned_no_loss:
+                self._warned_no_loss = True
+                log.warning("trainpatrol: training_step returned no loss; steps are counted and actions work, "
+                            "but no loss, grad norm or step time is recorded")
+            patrol.totals.steps = step
+            patrol.totals.micro_steps += self._micro
+        else:
+            patrol.totals.micro_steps += self._micro - 1  # Patrol.step counts the last one
+            patrol.step(self._loss, grad_norm=self._grad_norm, batch_size=self._samples, tokens=self._tokens)
+            if self._learning_rates:
+                patrol.latest.learning_rates = self._learning_rates
+        self._reset_step()
+
+    def _boundary(self, trainer: pl.Trainer) -> None:
+        patrol = self.patrol
+        assert patrol is not None
+        before = patrol.actions[-1] if patrol.actions else None
+        try:
+            patrol.boundary()
+        except SystemExit as exc:
+            if exc.code != STOP_EXIT_CODE:
+                raise
+            self._save(trainer, "stop")
+            raise
+        for rec in _new_actions(patrol, before):
+            if rec.action == "checkpoint" and rec.outcome == "ok":
+                self._save(trainer, "checkpoint")
+
+    def _save(self, trainer: pl.Trainer, action: str) -> None:
+        """Lightning's own resumable checkpoint; every rank calls it (it synchronises the ranks)."""
+        ckpt = trainer.checkpoint_callback
+        dirpath = ckpt.dirpath if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath else None
+        directory = Path(dirpath or Path(trainer.default_root_dir) / "checkpoints")
+        path = directory / f"trainpatrol-{action}-step={trainer.global_step}.ckpt"
+        trainer.save_checkpoint(path)
+        self.last_trainer_checkpoint = str(path)
+        log.warning("trainpatrol: %s: Lightning checkpoint %s", action, path)
+
+    def _reset_step(self) -> None:
+        self._loss, self._micro, self._samples, self._tokens = None, 0, 0, 0
+        self._grad_norm = None
+
+    def _close(self) -> None:
+        if self._owned and self.patrol is not None:
+            self.patrol.close()
+
+
+def _batch_size(batch: Any) -> tuple[int, int]:
+    """(samples, tokens) from the batch's shapes only: ``input_ids`` of a dict, else the first tensor."""
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            return ids.shape[0], ids.numel()
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        batch = next((b for b in batch if isinstance(b, torch.Tensor)), None)
+    return (batch.shape[0], 0) if isinstance(batch, torch.Tensor) and batch.dim() >= 1 else (0, 0)
+
+
+def _check_accum(cfg: PatrolConfig) -> PatrolConfig:
+    if cfg.grad_accum_steps != 1:
+        raise ValueError(f"`PatrolConfig(grad_accum_steps={cfg.grad_accum_steps!r})`: the callback steps the Patrol "
+                         "once per optimizer step and reads Lightning's accumulation itself; leave it at 1.")
+    return cfg
+
+
+def _start_at(patrol: Patrol, step: int) -> None:
+    """Align a Patrol with a framework that starts (or resumes) at ``step``; Patrol.restore does the same."""
+    patrol.totals.steps = step
+    patrol.totals.micro_steps = step * patrol.config.grad_accum_steps
+    patrol.coordinator.next_exchange = step + patrol.coordinator.interval
+    patrol._last_step_end = time.perf_counter()
+
+
+def _new_actions(patrol: Patrol, before: ActionRecord | None) -> list[ActionRecord]:
+    new: list[ActionRecord] = []
+    for rec in reversed(patrol.actions):
+        if rec is before:
+            break
+        new.append(rec)
+    return new[::-1]

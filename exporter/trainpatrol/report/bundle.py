@@ -1,0 +1,191 @@
+"""Reads an evidence bundle into plain values. A missing or unreadable file becomes a note, never an error:
+a half-written bundle from a dying job is exactly the one someone needs to read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_TEXT_CHARS = 200_000
+"""Text files shown in the page are cut here; the bundle keeps the whole file."""
+
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+
+
+def to_float(value: Any) -> float | None:
+    """A history value as a float; "nan"/"inf"/"-inf" strings (how history.json stores them) become
+    the non-finite floats they name, and anything that is not a number becomes None (missing)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+@dataclass
+class RankPart:
+    """One rank's directory of the bundle."""
+
+    rank: int
+    path: Path
+    history: list[dict[str, float | None]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, Any] = field(default_factory=dict)
+    nvml: Any = None
+    memory_stats: dict[str, Any] = field(default_factory=dict)
+    memory_summary: str = ""
+    stacks: str = ""
+    has_snapshot: bool = False
+
+    @property
+    def steps(self) -> list[int]:
+        return [int(r["step"] or 0) for r in self.history]
+
+    def series(self, name: str) -> list[float | None]:
+        """The values of one history field, step by step (None where the record lacks it)."""
+        return [r.get(name) for r in self.history]
+
+    def nonfinite_steps(self, name: str) -> list[tuple[int, float]]:
+        return [(int(r["step"] or 0), v) for r in self.history
+                if (v := r.get(name)) is not None and not math.isfinite(v)]
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: dict[str, Any] = field(default_factory=dict)
+    trigger: dict[str, Any] = field(default_factory=dict)
+    ranks: list[RankPart] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What could not be read, in words, shown at the top of the page."""
+
+    @property
+    def action(self) -> str:
+        return str(self.manifest.get("action") or _action_from_name(self.path.name) or "unknown action")
+
+    @property
+    def step(self) -> int | None:
+        value = self.manifest.get("step")
+        if isinstance(value, int):
+            return value
+        m = re.search(r"-step(\d+)-", self.path.name)
+        return int(m.group(1)) if m else None
+
+    @property
+    def run(self) -> str:
+        value = self.manifest.get("run") or next((r.config.get("run") for r in self.ranks if r.config.get("run")), "")
+        return str(value or "?")
+
+    def files(self) -> list[str]:
+        return sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file())
+
+
+def _action_from_name(name: str) -> str:
+    m = re.search(r"-step\d+-(\w+)$", name)
+    return m.group(1) if m else ""
+
+
+def _read_json(path: Path, notes: list[str], *, required: bool = True) -> Any:
+    if not path.exists():
+        if required:
+            notes.append(f"{path.parent.name}/{path.name} is missing.")
+        return None
+    try:
+        return json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError) as exc:
+        notes.append(f"{path.parent.name}/{path.name} could not be read: {exc}.")
+        return None
+
+
+def _read_text(path: Path, notes: list[str], *, required: bool = True) -> str:
+    if not path.exists():
+        if required:
+            notes.append(f"{path.parent.name}/{path.name} is missing.")
+        return ""
+    try:
+        with path.open(errors="replace") as f:
+            text = f.read(MAX_TEXT_CHARS + 1)
+    except OSError as exc:
+        notes.append(f"{path.parent.name}/{path.name} could not be read: {exc}.")
+        return ""
+    if len(text) > MAX_TEXT_CHARS:
+        text = text[:MAX_TEXT_CHARS] + f"\n[cut at {MAX_TEXT_CHARS} characters here; the file in the bundle is whole]\n"
+    return text
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _history(raw: Any, where: str, notes: list[str]) -> list[dict[str, float | None]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        notes.append(f"{where}/history.json is not a list of step records.")
+        return []
+    out = []
+    for rec in raw:
+        if isinstance(rec, dict) and to_float(rec.get("step")) is not None:
+            out.append({str(k): to_float(v) for k, v in rec.items()})
+    out.sort(key=lambda r: r["step"] or 0)
+    return out
+
+
+def read_rank(path: Path, rank: int, notes: list[str]) -> RankPart:
+    where = path.name
+    part = RankPart(rank=rank, path=path)
+    part.history = _history(_read_json(path / "history.json", notes), where, notes)
+    part.extra = _dict(_read_json(path / "extra.json", notes, required=False))
+    part.config = _dict(_read_json(path / "config.json", notes))
+    part.versions = _dict(_read_json(path / "versions.json", notes))
+    part.nvml = _read_json(path / "nvml.json", notes)
+    part.memory_stats = _dict(_read_json(path / "memory_stats.json", notes, required=False))
+    part.memory_summary = _read_text(path / "memory_summary.txt", notes)
+    part.stacks = _read_text(path / "stacks.txt", notes)
+    part.has_snapshot = (path / "memory_snapshot.pickle").exists()
+    return part
+
+
+def load(path: Path) -> Bundle:
+    """Read the bundle at ``path``; raises only when ``path`` is not a directory."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"Evidence bundle {str(path)!r} is not a directory.")
+    bundle = Bundle(path=path)
+    notes = bundle.notes
+    bundle.manifest = _dict(_read_json(path / "manifest.json", notes))
+    bundle.trigger = _dict(_read_json(path / "trigger.json", notes))
+    for child in sorted(path.iterdir()):
+        m = _RANK_DIR.match(child.name)
+        if m and child.is_dir():
+            bundle.ranks.append(read_rank(child, int(m.group(1)), notes))
+    bundle.ranks.sort(key=lambda r: r.rank)
+    world = bundle.manifest.get("world_size")
+    if isinstance(world, int) and world > 0:
+        missing = sorted(set(range(world)) - {r.rank for r in bundle.ranks})
+        if missing:
+            notes.append(f"{len(missing)} of {world} ranks wrote no part: ranks {compact_ranks(missing)}.")
+    if not bundle.ranks:
+        notes.append("The bundle holds no rank-NNNNN directory.")
+    return bundle
+
+
+def compact_ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)

@@ -1,0 +1,161 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "trainpatrol.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Prefix of every object name: <release>-<chart>, or the release name when it already holds the chart name. */}}
+{{- define "trainpatrol.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* <fullname>-<suffix>, still a valid DNS label. Call with (list . "suffix"). */}}
+{{- define "trainpatrol.componentName" -}}
+{{- $ctx := index . 0 -}}
+{{- printf "%s-%s" (include "trainpatrol.fullname" $ctx | trunc (int (sub 62 (len (index . 1))))) (index . 1) | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "trainpatrol.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels. Call with (dict "ctx" . "component" "agent"); component may be empty. */}}
+{{- define "trainpatrol.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "trainpatrol.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .component }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* Standard labels. Call with (dict "ctx" . "component" "agent"). */}}
+{{- define "trainpatrol.labels" -}}
+helm.sh/chart: {{ include "trainpatrol.chart" .ctx }}
+{{ include "trainpatrol.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: trainpatrol
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "trainpatrol.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trainpatrol.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "trainpatrol.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The token Secret: the user's, or the one this chart creates. */}}
+{{- define "trainpatrol.tokenSecretName" -}}
+{{- default (include "trainpatrol.componentName" (list . "token")) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "trainpatrol.tokenSecretKey" -}}
+{{- if .Values.auth.existingSecret -}}
+{{- .Values.auth.existingSecretKey -}}
+{{- else -}}
+token
+{{- end -}}
+{{- end -}}
+
+{{/*
+The base64 token of the generated Secret, in order of precedence: the value given (auth.token),
+the one already stored in the cluster (so upgrades keep it and running jobs keep working), or a
+new random one. Call with (dict "given" .Values.auth.token "existing" (lookup ...)); kept apart
+from the lookup so the precedence can be tested without a cluster.
+*/}}
+{{- define "trainpatrol.tokenData" -}}
+{{- $existing := .existing | default dict -}}
+{{- $data := get $existing "data" | default dict -}}
+{{- if .given -}}
+{{- .given | b64enc -}}
+{{- else if get $data "token" -}}
+{{- get $data "token" -}}
+{{- else -}}
+{{- randAlphaNum 48 | b64enc -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "trainpatrol.agentName" -}}
+{{- include "trainpatrol.componentName" (list . "agent") -}}
+{{- end -}}
+
+{{- define "trainpatrol.routerName" -}}
+{{- include "trainpatrol.componentName" (list . "router") -}}
+{{- end -}}
+
+{{/* The agents' headless Service; its DNS name resolves to every agent pod (the peers). */}}
+{{- define "trainpatrol.peersService" -}}
+{{- include "trainpatrol.componentName" (list . "agent-peers") -}}
+{{- end -}}
+
+{{- define "trainpatrol.peersDNS" -}}
+{{- printf "%s.%s.svc.%s" (include "trainpatrol.peersService" .) .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "trainpatrol.webhookURL" -}}
+{{- printf "http://%s.%s.svc.%s:%d/v1/alertmanager" (include "trainpatrol.routerName" .) .Release.Namespace .Values.clusterDomain (int .Values.port) -}}
+{{- end -}}
+
+{{/* Flags and environment shared by agent and router. */}}
+{{- define "trainpatrol.commonArgs" -}}
+- {{ printf "--host=%s" .Values.listenAddress | quote }}
+- {{ printf "--port=%d" (int .Values.port) | quote }}
+- "--token-file=/etc/trainpatrol/token/token"
+- {{ printf "--peers-dns=%s" (include "trainpatrol.peersDNS" .) | quote }}
+- {{ printf "--allowed-actions=%s" (join "," .Values.allowedActions) | quote }}
+- {{ printf "--log-level=%s" .Values.logLevel | quote }}
+{{- end -}}
+
+{{- define "trainpatrol.volumes" -}}
+- name: token
+  secret:
+    secretName: {{ include "trainpatrol.tokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "trainpatrol.tokenSecretKey" . }}
+        path: token
+- name: tmp
+  emptyDir:
+    sizeLimit: 64Mi
+{{- end -}}
+
+{{- define "trainpatrol.volumeMounts" -}}
+- name: token
+  mountPath: /etc/trainpatrol/token
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{/* Settings that cannot work together fail the render with a message naming the values. */}}
+{{- define "trainpatrol.validate" -}}
+{{- if and .Values.serviceMonitor.enabled .Values.podMonitor.enabled -}}
+{{- fail "serviceMonitor.enabled and podMonitor.enabled are both true: every agent would be scraped twice. Enable one." -}}
+{{- end -}}
+{{- if and .Values.alertmanagerConfig.enabled (not .Values.router.enabled) -}}
+{{- fail "alertmanagerConfig.enabled needs router.enabled: the router is the webhook target." -}}
+{{- end -}}
+{{- if and .Values.auth.existingSecret .Values.auth.token -}}
+{{- fail "auth.token and auth.existingSecret are both set: give the token one way." -}}
+{{- end -}}
+{{- end -}}

