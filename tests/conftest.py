@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "control"))
 
 from servers import ALERTMANAGER, PROMETHEUS, PROMTOOL
 

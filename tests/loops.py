@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from trainpatrol import Patrol, PatrolConfig
 
 

@@ -76,6 +76,8 @@ class RankSnapshot(BaseModel):
     world_size: int = Field(default=1, ge=1, le=1_000_001)
     host: str = Field(default="", max_length=253)
     pid: int = Field(default=0, ge=0)
+    instance: str = Field(default="", max_length=64)
+    """Random per Patrol object: a new Patrol in the same process is a new sequence of pushes."""
     gpu_uuid: str = Field(default="", max_length=128)
     seq: int = Field(default=0, ge=0)
     time: float = 0.0

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig, ConfigError
 

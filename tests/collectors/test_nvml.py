@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+
 from trainpatrol.catalogue import NVML_METRICS
 from trainpatrol.collectors import _nvml_sample as ns
 from trainpatrol.collectors.health import CollectorSet

@@ -18,35 +18,54 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     out = Path(os.environ["OUT"])
     slow = float(os.environ.get("SLOW_SECONDS", "0")) if rank == int(os.environ.get("SLOW_RANK", "-1")) else 0.0
-    dist.init_process_group("gloo")
+    cuda = os.environ.get("DEVICE") == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+    dim = 256 if cuda else 16
+    net = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU(), torch.nn.Linear(dim, 1)).to(device)
+    model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    max_steps = int(os.environ.get("STEPS", "0"))
+    stop_at = int(os.environ.get("STOP_AT", "0"))
+    losses: dict[int, torch.Tensor] = {}
     config = PatrolConfig(run=os.environ.get("RUN", "ddp"), agent_url=os.environ["AGENT_URL"], embedded_agent=False,
                           checkpoint_dir=str(out / "ckpt"), evidence_dir=str(out / "evidence"),
                           push_interval_seconds=0.2, pause_poll_seconds=0.05, control_target_seconds=0.2,
                           guard_actions={"nonfinite_loss": "pause"})
     patrol = Patrol(model=model, optimizer=opt, config=config)
+    if os.environ.get("RESTORE"):
+        patrol.restore("latest")
     nan_at = int(os.environ.get("NAN_AT", "0"))
     code = 0
     try:
-        while True:
+        while not max_steps or patrol.step_count < max_steps:
             patrol.boundary()
             time.sleep(0.005 + slow)
-            x = torch.randn(8, 16)
-            loss = model(x).pow(2).mean()
+            step = patrol.step_count + 1
+            # data depends only on (rank, step), so a restored job sees the same batches
+            g = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(8, dim, generator=g).to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = (model(x).float() - x.sum(dim=1, keepdim=True) / dim).pow(2).mean()
             if nan_at and rank == 1 and patrol.step_count + 1 == nan_at:
                 loss = loss * float("nan")
             loss.backward()
             patrol.step(loss, batch_size=8)
             opt.step()
             opt.zero_grad()
+            losses[step] = loss.detach()
+            if stop_at and step == stop_at and rank == 0:
+                patrol.request("stop", f"test stop at {stop_at}")
     except SystemExit as exc:
         code = int(exc.code or 0)
     finally:
         record = {"rank": rank, "exit": code, "steps": patrol.step_count,
-                  "actions": [a.model_dump() for a in patrol.actions]}
-        (out / f"rank-{rank}.json").write_text(json.dumps(record))
+                  "actions": [a.model_dump() for a in patrol.actions],
+                  "losses": {str(k): float(v) for k, v in losses.items()}}
+        (out / f"{os.environ.get('RECORD', 'rank')}-{rank}.json").write_text(json.dumps(record))
         patrol.close()
     return code
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from servers import agent, free_port, http_json, python_env, wait_for
-
 from trainpatrol import STOP_EXIT_CODE
 
 WORLD = 4
@@ -58,7 +57,7 @@ def test_pause_reaches_all_ranks_at_the_same_step_twenty_times(tmp_path: Path) -
                 assert len(steps) == 1, f"repetition {i}: ranks paused at different steps {steps}"
                 paused_at = steps.pop()
                 http_json(f"{other}/v1/runs/ddp/actions", {"action": "resume", "reason": f"repetition {i}"})
-                wait_for(lambda: min_step(urls, "ddp") > paused_at, 60, what=f"resumed (repetition {i})")
+                wait_for(lambda at=paused_at: min_step(urls, "ddp") > at, 60, what=f"resumed (repetition {i})")
             http_json(f"{urls[1]}/v1/runs/ddp/actions", {"action": "stop", "reason": "end of test"})
             codes = [p.wait(timeout=120) for p in procs]
         finally:

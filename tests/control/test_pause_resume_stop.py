@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from servers import agent, http_json, wait_for
 from trainpatrol import STOP_EXIT_CODE, Patrol, PatrolConfig
 from trainpatrol.control.checkpoint import Checkpointer

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from conftest import needs_prometheus, needs_promtool
 from servers import (
     PROMTOOL,

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from servers import agent, http_get, http_json, wait_for
 from trainpatrol import STOP_EXIT_CODE, PatrolConfig
 

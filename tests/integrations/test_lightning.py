@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from servers import agent, free_port, http_get, http_json, python_env, wait_for
 from trainpatrol import STOP_EXIT_CODE, PatrolConfig
 
 pl = pytest.importorskip("lightning.pytorch")
 
 from lightning_tiny import RequestAt, Tiny, data, trainer  # noqa: E402
+
 from trainpatrol.integrations.lightning import TrainPatrolCallback  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

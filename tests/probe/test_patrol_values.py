@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from loops import losses_with_nan, run_scripted, scripted_patrol
 from torch.utils.data import DataLoader, TensorDataset
+
+from loops import losses_with_nan, run_scripted, scripted_patrol
 from trainpatrol import Patrol, PatrolConfig
 from trainpatrol.probe.guards import GuardConfig
 from trainpatrol.probe.memory import MemoryReading

@@ -3,6 +3,7 @@ leaving the page, every plot panel holds every rank's line, and the NaN is marke
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import pytest
 from cdp_pipe import CHROMIUM, Chromium, png_size
 from report_run import NAN_AT, NAN_RANK, WORLD
+
 from trainpatrol.report import write_report
+from trainpatrol.report.incident import ALERT_FOR_GUARD
 from trainpatrol.report.timeline import PANELS
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
@@ -79,7 +82,11 @@ def test_report_of_a_real_nan_run_in_chromium(real_bundle: Path, tmp_path: Path)
     assert f"NaN at step {NAN_AT}, rank {NAN_RANK}" in found["plotText"]
     assert f"NaN at step {NAN_AT}, ranks 0-{WORLD - 1}" in found["plotText"]
     text = found["text"]
-    assert "TrainPatrolNonFiniteLoss" in text  # the runbook section (or the built-in hint) for the guard
+    # ranks agree on one of the guards' requests (the largest id wins): its runbook section, or the loss's
+    # when rank 0 did not hear the winning request and the page reads the cause from the history
+    source = json.loads((real_bundle / "trigger.json").read_text())["source"]
+    guard = source.removeprefix("guard:") if source.startswith("guard:") else "nonfinite_loss"
+    assert ALERT_FOR_GUARD[guard] in text
     assert "pause at step" in text and "done on every rank" in text
     assert "NVIDIA H200" in text  # the agent's NVML snapshot, as a table
     assert "train_ranks.py" in text  # the stacks

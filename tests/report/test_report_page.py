@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from loops import run_scripted, scripted_patrol
 from report_run import NAN_AT, NAN_RANK
+
+from loops import run_scripted, scripted_patrol
 from trainpatrol.cli import main
 from trainpatrol.probe.loader import ADVICE
 from trainpatrol.report import write_report
@@ -102,7 +103,11 @@ def test_nan_breaks_the_line_and_is_listed(real_bundle: Path) -> None:
     assert f'id="nonfinite-loss-rank{NAN_RANK}"' in svg
     assert f"NaN at step {NAN_AT}, rank {NAN_RANK}" in svg
     assert "<td>loss</td><td>1</td><td>NaN</td><td>30</td>" in page
-    assert "the history shows a NaN loss at step 30 on rank 1" in page  # trigger.json names no cause today
+    source = json.loads((real_bundle / "trigger.json").read_text())["source"]
+    if source.startswith("guard:"):  # rank 0 heard the winning request itself
+        assert f"local guard <strong>{source.removeprefix('guard:')}</strong>" in page
+    else:  # only another rank did: the page reads the cause from the history
+        assert f"the history shows a NaN loss at step {NAN_AT} on rank {NAN_RANK}" in page
 
 
 def test_cli_regenerates_the_page(bundle_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -143,6 +148,8 @@ def test_a_ranks_own_trigger_record_names_the_guard(bundle_copy: Path, tmp_path:
     trigger = {"id": 9, "action": "pause", "source": "guard:nonfinite_loss",
                "reason": f"local guard nonfinite_loss: loss nan at step {NAN_AT}"}
     _edit_json(bundle_copy / f"rank-{NAN_RANK:05d}" / "extra.json", lambda d: {**d, "trigger": trigger})
+    (bundle_copy / "trigger.json").write_text(json.dumps({"id": 9, "action": "pause",
+                                                          "source": "agreed with another rank"}))
     runbooks = tmp_path / "runbooks.md"
     runbooks.write_text("## TrainPatrolSomethingElse\n\nNo.\n")
     page = write_report(bundle_copy, runbooks=runbooks).read_text()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
+
 from trainpatrol import Patrol, PatrolConfig
 from trainpatrol.demo import SimulatedAllocator
 

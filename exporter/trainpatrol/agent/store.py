@@ -47,12 +47,17 @@ class RankStore:
         with self._lock:
             old = self._ranks.get(key)
             advanced = old is None or snap.step != old.snapshot.step
-            if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.pid == snap.pid:
+            if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
             self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             done = set(snap.done_commands)
-            pending = self._commands.get(snap.run, [])
-            self._commands[snap.run] = [c for c in pending if now - c.created < COMMAND_TTL_SECONDS]
+            ranks = [e.snapshot for (r, _), e in self._ranks.items() if r == snap.run]
+            # a command every current rank has carried out is retired, so a restarted job never
+            # receives it again
+            self._commands[snap.run] = [
+                c for c in self._commands.get(snap.run, [])
+                if now - c.created < COMMAND_TTL_SECONDS and not all(c.id in r.done_commands for r in ranks)
+            ]
             return [c for c in self._commands[snap.run] if c.id not in done]
 
     def enqueue(self, command: Command) -> bool:

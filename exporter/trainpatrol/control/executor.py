@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..protocol import ActionRecord
+from ..report import write_report_quietly
 from . import checkpoint as ckpt
 from .actions import PRIORITY, STOP_EXIT_CODE
 from .coordinator import Agreement
@@ -61,18 +63,26 @@ class Executor:
         if action == "empty_cache" and p.device.type == "cuda":
             torch.cuda.empty_cache()
         bundle = Path(p.config.evidence_dir) / bundle_name(agreed.clock, step, action)
+        audit = asdict(p._audit) if p._audit is not None else None
         try:
             write_rank_part(bundle, p.identity.rank, history=p.history.dump(), device=p.device,
                             nvml=fetch_nvml(p.config.agent_url, p.config.token), config=p.config_dict(),
-                            extra={"checkpoint": path, "outcome": "ok" if ok else "failed", "detail": detail})
-            if p.identity.rank == 0:
-                write_manifest(bundle, {"action": action, "command_id": cid, "step": step, "run": p.config.run,
-                                        "world_size": p.identity.world_size, "time": agreed.clock,
-                                        "checkpoint": path, "checkpoint_ok": ok}, trigger)
-            p.last_evidence = str(bundle)
+                            extra={"checkpoint": path, "outcome": "ok" if ok else "failed", "detail": detail,
+                                   "trigger": trigger, "loader_audit": audit})
         except OSError as exc:
             detail = (detail + "; " if detail else "") + f"evidence not written: {exc}"
             log.error("trainpatrol: %s", detail)
+        p.coordinator.all_true(True)  # every rank's part is on disk before rank 0 indexes the bundle
+        if p.identity.rank == 0:
+            try:
+                write_manifest(bundle, {"action": action, "command_id": cid, "step": step, "run": p.config.run,
+                                        "world_size": p.identity.world_size, "time": agreed.clock,
+                                        "checkpoint": path, "checkpoint_ok": ok}, trigger)
+                write_report_quietly(bundle)
+            except OSError as exc:
+                detail = (detail + "; " if detail else "") + f"evidence manifest not written: {exc}"
+                log.error("trainpatrol: %s", detail)
+        p.last_evidence = str(bundle)
         self._record(cid, action, "ok" if ok else "failed", step, detail, path, str(bundle))
         return ok
 
@@ -182,9 +192,7 @@ class Executor:
         if p.load_extra_state is not None and per_rank.get("extra") is not None:
             p.load_extra_state(per_rank["extra"])
         step = int(meta["step"])
-        p.totals.steps = step
-        p.totals.micro_steps = step * p.config.grad_accum_steps
+        p.start_at(step)
         p.last_checkpoint = str(target)
-        p.coordinator.next_exchange = step + p.coordinator.interval
         log.warning("trainpatrol: restored %s (step %d)", target, step)
         return step

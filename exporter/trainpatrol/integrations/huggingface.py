@@ -85,7 +85,8 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         patrol.scheduler = patrol.scheduler or lr_scheduler
         _start_at(patrol, state.global_step)
         self._stopping = self._due = False
-        self._loss_scale = args.world_size if args.average_tokens_across_devices and args.world_size > 1 else 1
+        average_tokens = getattr(args, "average_tokens_across_devices", False)  # transformers >= 4.46
+        self._loss_scale = args.world_size if average_tokens and args.world_size > 1 else 1
         if model is not None:
             self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._last_hook = time.perf_counter()

@@ -28,6 +28,7 @@ from ..control.coordinator import Coordinator, encode
 from ..control.evidence import bundle_name, set_recording, write_manifest, write_rank_part
 from ..control.executor import Executor
 from ..protocol import ActionRecord
+from ..report import write_report_quietly
 from . import device_values as dv
 from .config import PatrolConfig
 from .embedded import agent_answers, start_embedded_agent, stop_embedded_agent
@@ -89,6 +90,8 @@ class Patrol:
         self._pending: dict[str, dict[str, Any]] = {}
         self._done: deque[int] = deque(maxlen=512)
         self._seq = 0
+        self._started = time.time()
+        self._instance = secrets.token_hex(8)
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints, save_fn=save_fn)
         self.coordinator = Coordinator(self.device, target_seconds=cfg.control_target_seconds)
         self.executor = Executor(self)
@@ -114,14 +117,23 @@ class Patrol:
             if check not in self._audit_logged:
                 self._audit_logged.add(check)
                 log.warning("trainpatrol DataLoader audit: %s: %s", check, advice)
-        return TimedLoader(loader, self.boundary, self._waited)
+        return TimedLoader(loader, self.boundary, self.waited)
 
-    def _waited(self, seconds: float) -> None:
+    def waited(self, seconds: float) -> None:
+        """Report time spent waiting for a batch (done by ``loader``; for frameworks that fetch themselves)."""
         self._wait_since_step += seconds
         self.totals.loader_wait += seconds
 
+    def start_at(self, step: int) -> None:
+        """Continue counting from ``step`` (a resumed run); ``restore`` does this itself."""
+        self.totals.steps = step
+        self.totals.micro_steps = step * self.config.grad_accum_steps
+        self.coordinator.next_exchange = step + self.coordinator.interval
+        self._last_step_end = time.perf_counter()
+
     def step(self, loss: torch.Tensor, *, grad_norm: torch.Tensor | float | None = None,
-             batch_size: int | None = None, tokens: int | None = None) -> None:
+             batch_size: int | None = None, tokens: int | None = None,
+             learning_rates: list[float] | None = None) -> None:
         """Record one micro-step; every ``grad_accum_steps``-th call closes an optimizer step.
 
         Call after ``backward()`` and before ``optimizer.step()``/``zero_grad()``. Pass the total
@@ -153,7 +165,9 @@ class Patrol:
         t.observe_step(rec.step_seconds)
         self._last_step_end = now
         self._wait_since_step = 0.0
-        if self.optimizer is not None:
+        if learning_rates is not None:
+            self.latest.learning_rates = list(learning_rates)
+        elif self.optimizer is not None:
             self.latest.learning_rates = [float(g["lr"]) for g in self.optimizer.param_groups
                                           if isinstance(g.get("lr"), float | int)]
         if self._memory_reader is not None and now - self._last_memory >= self.config.memory_interval_seconds:
@@ -219,7 +233,9 @@ class Patrol:
 
     def _on_commands(self, commands: list[dict[str, Any]]) -> None:
         for c in commands:
-            if c.get("run") == self.config.run:
+            # a command queued before this process started was meant for an earlier incarnation
+            # of the run (e.g. the stop that ended the job this one restores from)
+            if c.get("run") == self.config.run and float(c.get("created", 0)) >= self._started:
                 self.request(c["action"], c.get("reason", ""), c.get("source", "agent"), int(c["id"]),
                              c.get("alert"))
 
@@ -264,7 +280,7 @@ class Patrol:
         self._seq += 1
         ident = self.identity
         return {
-            "run": self.config.run, "rank": ident.rank, "local_rank": ident.local_rank,
+            "run": self.config.run, "rank": ident.rank, "instance": self._instance, "local_rank": ident.local_rank,
             "world_size": ident.world_size, "host": ident.host, "pid": os.getpid(), "gpu_uuid": ident.gpu_uuid,
             "seq": self._seq, "time": time.time(), "step": self.totals.steps, "state": self.state,
             "samples": samples(self.totals, self.latest, self.history, self.guards.trips, self.guards.active,
@@ -315,6 +331,7 @@ class Patrol:
                         config=self.config_dict(), extra={"error": repr(exc)})
         write_manifest(bundle, {"action": "oom", "step": self.totals.steps, "rank": self.identity.rank},
                        {"source": "exception", "error": repr(exc)})
+        write_report_quietly(bundle)
         self.last_evidence = str(bundle)
         self.publisher.push_now()
         log.error("trainpatrol: out of memory at step %d; evidence in %s", self.totals.steps, bundle)

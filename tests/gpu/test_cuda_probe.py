@@ -1,0 +1,162 @@
+"""Issue 3 on a real GPU: allocator readings, retries, OOM forensics, and no host-device sync."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainpatrol import Patrol, PatrolConfig
+from trainpatrol.probe.identity import gpu_uuid
+from trainpatrol.probe.memory import cuda_reader, from_stats
+
+DEV = torch.device("cuda", 0)
+
+
+def patrol_for(tmp: Path, model: torch.nn.Module | None = None, **cfg: object) -> Patrol:
+    config = PatrolConfig(run="gpu", agent_url="http://127.0.0.1:9", embedded_agent=False,
+                          checkpoint_dir=str(tmp / "ckpt"), evidence_dir=str(tmp / "evidence"),
+                          push_interval_seconds=3600, **cfg)  # type: ignore[arg-type]
+    return Patrol(model=model, device=DEV, config=config)
+
+
+def test_raw_reader_matches_public_memory_stats() -> None:
+    keep = [torch.empty(n * 2**20, dtype=torch.uint8, device=DEV) for n in (1, 3, 7, 20, 33)]
+    torch.cuda.synchronize()
+    fast = cuda_reader(DEV)()
+    public = from_stats({k: v for k, v in _nest(torch.cuda.memory_stats(DEV)).items()},
+                        float(torch.cuda.get_device_properties(DEV).total_memory))
+    assert fast == public
+    assert fast.allocated == torch.cuda.memory_allocated(DEV)
+    assert fast.reserved == torch.cuda.memory_reserved(DEV)
+    del keep
+
+
+def _nest(flat: dict[str, int]) -> dict[str, object]:
+    from trainpatrol.probe.memory import _nest as nest
+
+    return nest(flat)
+
+
+def test_fragmentation_ratio_is_what_memory_stats_implies(tmp_path: Path) -> None:
+    torch.cuda.empty_cache()
+    # interleave small blocks in 2 MiB segments, free every other one: reserved stays, allocated halves
+    blocks = [torch.empty(256 * 1024, dtype=torch.uint8, device=DEV) for _ in range(4096)]
+    del blocks[::2]
+    torch.cuda.synchronize()
+    patrol = patrol_for(tmp_path, memory_interval_seconds=0.0)
+    patrol.step(torch.ones((), device=DEV))
+    m = patrol.memory_reading()
+    stats = torch.cuda.memory_stats(DEV)
+    reserved, allocated = stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"]
+    assert m is not None
+    assert m.fragmentation == pytest.approx((reserved - allocated) / reserved, abs=1e-9)
+    assert m.fragmentation > 0.4
+    assert m.inactive_split > 0
+    patrol.close()
+    del blocks
+
+
+def test_forced_alloc_retries_raise_the_counter(tmp_path: Path) -> None:
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    torch.cuda.set_per_process_memory_fraction(4 * 2**30 / total, DEV)
+    patrol = patrol_for(tmp_path, memory_interval_seconds=0.0)
+    before = patrol_reading_retries(patrol)
+    try:
+        # fill the cap with cached-but-free 100 MiB blocks, then ask for one larger block:
+        # the allocator must free its cache and retry cudaMalloc
+        chunks = [torch.empty(100 * 2**20, dtype=torch.uint8, device=DEV) for _ in range(36)]
+        del chunks
+        big = torch.empty(2 * 2**30, dtype=torch.uint8, device=DEV)
+        del big
+        after = patrol_reading_retries(patrol)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, DEV)
+        patrol.close()
+    assert after >= before + 1
+
+
+def patrol_reading_retries(patrol: Patrol) -> float:
+    patrol.step(torch.ones((), device=DEV))
+    m = patrol.memory_reading()
+    assert m is not None
+    return m.alloc_retries
+
+
+def test_oom_writes_the_evidence_directory(tmp_path: Path) -> None:
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    torch.cuda.set_per_process_memory_fraction(2 * 2**30 / total, DEV)
+    patrol = patrol_for(tmp_path, record_memory_history=True)
+    try:
+        with pytest.raises(torch.OutOfMemoryError), patrol:
+            patrol.step(torch.ones((), device=DEV))
+            torch.empty(8 * 2**30, dtype=torch.uint8, device=DEV)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, DEV)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    bundle = next((tmp_path / "evidence").glob("*-oom"))
+    part = bundle / "rank-00000"
+    stats = json.loads((part / "memory_stats.json").read_text())
+    assert stats["num_ooms"] >= 1
+    assert "PyTorch CUDA memory summary" in (part / "memory_summary.txt").read_text()
+    assert (part / "memory_snapshot.pickle").stat().st_size > 0
+    assert json.loads((bundle / "manifest.json").read_text())["action"] == "oom"
+
+
+def test_instrumented_step_never_syncs(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 1)).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    patrol = patrol_for(tmp_path, model, memory_interval_seconds=0.0)
+    patrol.optimizer = opt
+    x = torch.randn(64, 512, device=DEV)
+    for _ in range(3):  # warm-up outside the check (lazy CUDA init, pinned buffers)
+        model(x).pow(2).mean().backward()
+        patrol.step(torch.zeros((), device=DEV))
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            patrol.boundary()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            patrol.step(loss)  # foreach grad norm path
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            patrol.step(loss, grad_norm=total)  # reused clip total path
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    patrol.close()
+    assert patrol.step_count == 43
+    assert patrol.latest.loss == patrol.latest.loss  # read back, finite
+
+
+def test_loss_sync_is_caught_by_the_check() -> None:
+    """The debug mode works here: an .item() raises, so the test above would catch a sync."""
+    x = torch.ones((), device=DEV)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            x.item()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_rank_gpu_uuid_matches_nvml() -> None:
+    pynvml = pytest.importorskip("pynvml")
+    pynvml.nvmlInit()
+    try:
+        index = torch.cuda.current_device()
+        visible = __import__("os").environ.get("CUDA_VISIBLE_DEVICES")
+        nv_index = int(visible.split(",")[index]) if visible else index
+        handle = pynvml.nvmlDeviceGetHandleByIndex(nv_index)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    finally:
+        pynvml.nvmlShutdown()
+    assert gpu_uuid(DEV) == uuid
