@@ -52,7 +52,7 @@ def test_fragmentation_ratio_is_what_memory_stats_implies(tmp_path: Path) -> Non
     stats = torch.cuda.memory_stats(DEV)
     reserved, allocated = stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"]
     assert m is not None
-    assert m.fragmentation == pytest.approx((reserved - allocated) / reserved, abs=1e-9)
+    assert m.fragmentation == pytest.approx((reserved - allocated) / reserved, abs=1e-5)  # a few tiny tensors apart
     assert m.fragmentation > 0.4
     assert m.inactive_split > 0
     patrol.close()
@@ -60,6 +60,9 @@ def test_fragmentation_ratio_is_what_memory_stats_implies(tmp_path: Path) -> Non
 
 
 def test_forced_alloc_retries_raise_the_counter(tmp_path: Path) -> None:
+    import gc
+
+    gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(DEV).total_memory
     torch.cuda.set_per_process_memory_fraction(4 * 2**30 / total, DEV)
@@ -68,7 +71,7 @@ def test_forced_alloc_retries_raise_the_counter(tmp_path: Path) -> None:
     try:
         # fill the cap with cached-but-free 100 MiB blocks, then ask for one larger block:
         # the allocator must free its cache and retry cudaMalloc
-        chunks = [torch.empty(100 * 2**20, dtype=torch.uint8, device=DEV) for _ in range(36)]
+        chunks = [torch.empty(100 * 2**20, dtype=torch.uint8, device=DEV) for _ in range(28)]
         del chunks
         big = torch.empty(2 * 2**30, dtype=torch.uint8, device=DEV)
         del big

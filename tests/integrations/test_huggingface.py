@@ -172,8 +172,8 @@ def test_stop_saves_a_checkpoint_the_trainer_resumes_from(tmp_path: Path, agent_
                       10, what="run stopped")
     assert status["last_action"]["action"] == "stop" and status["last_action"]["step"] == 4
 
-    # a new run name: the agent ignores a second Patrol of one run and rank in the same process (its seq restarts)
-    resumed_cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, run + "-resumed"))
+    # the same run name: the agent tells the resumed Patrol from the stopped one in this process by its instance
+    resumed_cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, run))
     resumed = make_trainer(out, [resumed_cb], max_steps=8)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 8
@@ -182,7 +182,7 @@ def test_stop_saves_a_checkpoint_the_trainer_resumes_from(tmp_path: Path, agent_
     # the resumed run continues the interrupted one exactly: same data order, weights and optimizer state
     assert after == {s: ref_loss[s] for s in after}
     assert resumed_cb.patrol is not None and resumed_cb.patrol.step_count == 8
-    assert exposed(agent_url, "trainpatrol_step_total", run + "-resumed") == 8
+    assert exposed(agent_url, "trainpatrol_step_total", run) == 8
 
 
 def test_construction_errors_quote_the_call() -> None:

@@ -125,7 +125,7 @@ def test_stop_saves_a_checkpoint_lightning_resumes_from(tmp_path: Path, agent_ur
     assert module.losses == reference.losses[:3]
     assert [cb.patrol.history.get(s).loss for s in range(1, 5)] == reference.losses[:4]  # type: ignore[union-attr]
 
-    resumed_cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-stop-resumed"))
+    resumed_cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-stop"))  # same run, same process
     resumed = Tiny()
     t2 = trainer(tmp_path / "run", [resumed_cb], max_steps=8)
     t2.fit(resumed, train_dataloaders=data(n=32), ckpt_path=str(ckpt))
@@ -133,6 +133,7 @@ def test_stop_saves_a_checkpoint_lightning_resumes_from(tmp_path: Path, agent_ur
     # steps 5-8 continue the stopped run exactly: weights, momentum and the scheduler came back
     assert resumed.losses == reference.losses[4:]
     assert resumed.learning_rates == reference.learning_rates[4:]
+    assert exposed(agent_url, "trainpatrol_step_total", "pl-stop") == 8
 
 
 def test_ddp_two_ranks_pause_at_the_same_step(tmp_path: Path, agent_url: str) -> None:

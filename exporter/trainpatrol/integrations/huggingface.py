@@ -83,7 +83,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         patrol.model = patrol.model or model
         patrol.optimizer = patrol.optimizer or optimizer
         patrol.scheduler = patrol.scheduler or lr_scheduler
-        _start_at(patrol, state.global_step)
+        patrol.start_at(state.global_step)
         self._stopping = self._due = False
         average_tokens = getattr(args, "average_tokens_across_devices", False)  # transformers >= 4.46
         self._loss_scale = args.world_size if average_tokens and args.world_size > 1 else 1
@@ -102,7 +102,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         if self._due:  # the Trainer did not log the step it said it would: finish it without its values
             self._finish(state, control, None, None)
         if self.patrol is not None:
-            self.patrol._waited(time.perf_counter() - self._last_hook)
+            self.patrol.waited(time.perf_counter() - self._last_hook)
         self._micro, self._samples, self._tokens, self._scaled = [], 0, 0, False
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -199,9 +199,8 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             patrol.totals.micro_steps += 1
         else:
             patrol.totals.steps = state.global_step - 1  # steps without a loss were counted above
-            patrol.step(loss, grad_norm=grad_norm, batch_size=self._samples, tokens=self._tokens)
-            if self._learning_rates:
-                patrol.latest.learning_rates = self._learning_rates
+            patrol.step(loss, grad_norm=grad_norm, batch_size=self._samples, tokens=self._tokens,
+                        learning_rates=self._learning_rates or None)
         self._step_loss = None
         self._boundary(control)
         self._last_hook = time.perf_counter()
@@ -234,14 +233,6 @@ def _check_accum(cfg: PatrolConfig) -> PatrolConfig:
         raise ValueError(f"`PatrolConfig(grad_accum_steps={cfg.grad_accum_steps!r})`: the callback steps the Patrol "
                          "once per optimizer step and reads the Trainer's accumulation itself; leave it at 1.")
     return cfg
-
-
-def _start_at(patrol: Patrol, step: int) -> None:
-    """Align a Patrol with a framework that starts (or resumes) at ``step``; Patrol.restore does the same."""
-    patrol.totals.steps = step
-    patrol.totals.micro_steps = step * patrol.config.grad_accum_steps
-    patrol.coordinator.next_exchange = step + patrol.coordinator.interval
-    patrol._last_step_end = time.perf_counter()
 
 
 def _new_actions(patrol: Patrol, before: ActionRecord | None) -> list[ActionRecord]:

@@ -95,7 +95,7 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
         patrol.model = patrol.model or pl_module
         patrol.optimizer = patrol.optimizer or optimizer
         patrol.scheduler = patrol.scheduler or scheduler
-        _start_at(patrol, trainer.global_step)
+        patrol.start_at(trainer.global_step)
         self._seen_step = trainer.global_step
         self._reset_step()
         self._last_hook = time.perf_counter()
@@ -108,7 +108,7 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
                              batch_idx: int) -> None:
         """Count the fetch of this batch as loader wait."""
         if self.patrol is not None:
-            self.patrol._waited(time.perf_counter() - self._last_hook)
+            self.patrol.waited(time.perf_counter() - self._last_hook)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
@@ -165,9 +165,8 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
             patrol.totals.micro_steps += self._micro
         else:
             patrol.totals.micro_steps += self._micro - 1  # Patrol.step counts the last one
-            patrol.step(self._loss, grad_norm=self._grad_norm, batch_size=self._samples, tokens=self._tokens)
-            if self._learning_rates:
-                patrol.latest.learning_rates = self._learning_rates
+            patrol.step(self._loss, grad_norm=self._grad_norm, batch_size=self._samples, tokens=self._tokens,
+                        learning_rates=self._learning_rates or None)
         self._reset_step()
 
     def _boundary(self, trainer: pl.Trainer) -> None:
@@ -221,14 +220,6 @@ def _check_accum(cfg: PatrolConfig) -> PatrolConfig:
         raise ValueError(f"`PatrolConfig(grad_accum_steps={cfg.grad_accum_steps!r})`: the callback steps the Patrol "
                          "once per optimizer step and reads Lightning's accumulation itself; leave it at 1.")
     return cfg
-
-
-def _start_at(patrol: Patrol, step: int) -> None:
-    """Align a Patrol with a framework that starts (or resumes) at ``step``; Patrol.restore does the same."""
-    patrol.totals.steps = step
-    patrol.totals.micro_steps = step * patrol.config.grad_accum_steps
-    patrol.coordinator.next_exchange = step + patrol.coordinator.interval
-    patrol._last_step_end = time.perf_counter()
 
 
 def _new_actions(patrol: Patrol, before: ActionRecord | None) -> list[ActionRecord]:

@@ -28,28 +28,39 @@ def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor | None
     partial = []
     for grads in groups.values():
         norms = torch._foreach_norm(grads, 2.0)
-        partial.append(torch.linalg.vector_norm(torch.stack(norms)).double())
+        partial.append(torch.linalg.vector_norm(torch.stack(norms)).float())
     total: torch.Tensor = partial[0] if len(partial) == 1 else torch.linalg.vector_norm(torch.stack(partial))
     return total
 
 
 class DeviceValues:
+    """Writes each step's values into one preallocated device buffer: 4 small kernels a step.
+
+    Reusing the buffer is safe: the copy to the host is queued on the same stream before the next
+    step's kernels overwrite it.
+    """
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._nonfinite = torch.zeros(2, dtype=torch.float64, device=device)
-        self._absent = torch.full((), ABSENT, dtype=torch.float64, device=device)
-        self._one = torch.ones((), dtype=torch.float64, device=device)
+        self._buf = torch.zeros(WIDTH, dtype=torch.float32, device=device)
+        self._values = self._buf[:NONFINITE_LOSS]
+        self._nonfinite = self._buf[NONFINITE_LOSS:]
+        self._absent = torch.full((), ABSENT, dtype=torch.float32, device=device)
+        self._one = torch.ones((), dtype=torch.float32, device=device)
+
+    def _scalar(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().reshape(())
+        return t if t.dtype == torch.float32 and t.device == self.device else t.to(self.device, torch.float32)
 
     def vector(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
                scale: torch.Tensor | None) -> torch.Tensor:
-        loss_d = loss.detach().reshape(()).to(self.device, torch.float64)
         if grad_norm is None:
             gn = self._absent
         elif isinstance(grad_norm, torch.Tensor):
-            gn = grad_norm.detach().reshape(()).to(self.device, torch.float64)
+            gn = self._scalar(grad_norm)
         else:
-            gn = torch.full((), float(grad_norm), dtype=torch.float64, device=self.device)
-        sc = self._one if scale is None else scale.detach().reshape(()).to(self.device, torch.float64)
-        values = torch.stack([loss_d, gn, sc])
-        self._nonfinite.add_(~torch.isfinite(values[:2]))
-        return torch.cat([values, self._nonfinite])
+            gn = torch.full((), float(grad_norm), dtype=torch.float32, device=self.device)
+        sc = self._one if scale is None else self._scalar(scale)
+        torch.stack([self._scalar(loss), gn, sc], out=self._values)
+        torch.add(self._nonfinite, torch.isfinite(self._values[:SCALE]).logical_not_(), out=self._nonfinite)
+        return self._buf

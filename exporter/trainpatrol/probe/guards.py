@@ -29,6 +29,8 @@ class GuardConfig:
     grad_norm_ceiling: float = 1e4
     """...or this absolute value."""
     median_window: int = 100
+    median_refresh_steps: int = 16
+    """The running medians are recomputed every this many steps, which keeps the guards O(1) a step."""
     min_steps: int = 20
     """Steps of history needed before the relative guards judge."""
     stagnation_steps: int = 1000
@@ -44,6 +46,11 @@ class Guards:
         self.config = config
         self.trips: dict[str, int] = dict.fromkeys(GUARDS, 0)
         self.active: dict[str, bool] = dict.fromkeys(GUARDS, False)
+        self._refreshed_at = -(10**9)
+        self._samples = 0
+        self._med_loss = math.nan
+        self._med_gn = math.nan
+        self._stagnant_now = False
 
     def _set(self, guard: str, condition: bool, detail: str, tripped: list[tuple[str, str]]) -> None:
         if condition and not self.active[guard]:
@@ -60,19 +67,30 @@ class Guards:
         if grad_norm is None:  # no norm computed this step: the gradient guards cannot judge
             grad_norm = 0.0
         self._set("nonfinite_grad", not math.isfinite(grad_norm), f"grad norm {grad_norm} at step {step}", tripped)
-        enough = len(history.values("loss", c.median_window)) >= c.min_steps
-        med_loss = history.median("loss", c.median_window)
+        self._refresh(step, history)
+        enough = self._samples >= c.min_steps
+        med_loss, med_gn = self._med_loss, self._med_gn
         spike = enough and math.isfinite(loss) and med_loss > 0 and loss > c.loss_spike_factor * med_loss
         self._set("loss_spike", spike,
                   f"loss {loss:.4g} > {c.loss_spike_factor} x median {med_loss:.4g} at step {step}", tripped)
-        med_gn = history.median("grad_norm", c.median_window)
         relative = enough and med_gn > 0 and grad_norm > c.grad_norm_factor * med_gn
         self._set("grad_norm_explosion", math.isfinite(grad_norm) and (relative or grad_norm > c.grad_norm_ceiling),
                   f"grad norm {grad_norm:.4g} (median {med_gn:.4g}, ceiling {c.grad_norm_ceiling:g}) at step {step}",
                   tripped)
-        self._set("loss_stagnation", self._stagnant(history),
+        self._set("loss_stagnation", self._stagnant_now,
                   f"median loss improved < {c.stagnation_min_improvement:.1%} over {c.stagnation_steps} steps", tripped)
         return tripped
+
+    def _refresh(self, step: int, history: History) -> None:
+        c = self.config
+        if step - self._refreshed_at < c.median_refresh_steps and self._samples >= c.min_steps:
+            return
+        self._refreshed_at = step
+        losses = history.values("loss", c.median_window)
+        self._samples = len(losses)
+        self._med_loss = history.median("loss", c.median_window)
+        self._med_gn = history.median("grad_norm", c.median_window)
+        self._stagnant_now = self._stagnant(history)
 
     def _stagnant(self, history: History) -> bool:
         n = self.config.stagnation_steps

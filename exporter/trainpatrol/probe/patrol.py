@@ -149,7 +149,8 @@ class Patrol:
         if t.micro_steps % self.config.grad_accum_steps:
             self._probe_since_step += time.perf_counter() - start
             return
-        mean_loss = self._loss_sum / self.config.grad_accum_steps
+        accum = self.config.grad_accum_steps
+        mean_loss = self._loss_sum / accum if accum > 1 else self._loss_sum
         self._loss_sum = None
         if grad_norm is None and self._params:
             grad_norm = dv.total_grad_norm(self._params)

@@ -21,15 +21,15 @@ class Readback:
         self.dropped = 0
         self._cuda = device.type == "cuda"
         self._free: deque[torch.Tensor] = deque()
-        self._pending: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+        self._pending: deque[tuple[int, torch.Tensor | list[float], torch.cuda.Event | None]] = deque()
         if self._cuda:
             for _ in range(RING):
-                self._free.append(torch.empty(width, dtype=torch.float64, pin_memory=True))
+                self._free.append(torch.empty(width, dtype=torch.float32, pin_memory=True))
 
     def submit(self, step: int, vector: torch.Tensor) -> None:
-        """Queue ``vector`` (on the device, float64, length ``width``) to be read for ``step``."""
+        """Queue ``vector`` (on the device, float32, length ``width``) to be read for ``step``."""
         if not self._cuda:
-            self._pending.append((step, vector, None))
+            self._pending.append((step, vector.tolist(), None))  # a host tensor: reading it is free
             return
         if not self._free:
             # the GPU is more than RING steps behind: skip this step's values rather than block;
@@ -49,8 +49,10 @@ class Readback:
             if event is not None and not event.query():
                 break
             self._pending.popleft()
-            out.append((step, buf.tolist()))
-            if event is not None:
+            if isinstance(buf, list):
+                out.append((step, buf))
+            else:
+                out.append((step, buf.tolist()))
                 self._free.append(buf)
         return out
 

@@ -48,7 +48,8 @@ class History:
 
     def recent(self, n: int | None = None) -> list[StepRecord]:
         n = self.window if n is None else n
-        return list(self.records)[-n:]
+        size = len(self.records)
+        return [self.records[i] for i in range(max(0, size - n), size)]
 
     def values(self, field: str, n: int | None = None) -> list[float]:
         return _finite([getattr(r, field) for r in self.recent(n)])
