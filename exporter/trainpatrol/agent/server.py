@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any
 
 import uvicorn
@@ -11,6 +13,8 @@ from .app import Agent
 from .config import AgentConfig
 
 log = logging.getLogger(__name__)
+FAKE_DELAYS_ENV = "TRAINPATROL_NVML_FAKE_DELAYS"
+"""JSON {"nvmlFunction": seconds} slowing the fake's calls as on real GPUs (bench/scrape.py)."""
 
 
 def build_nvml(config: AgentConfig, agent_store_pids: Any) -> Any:
@@ -23,7 +27,8 @@ def build_nvml(config: AgentConfig, agent_store_pids: Any) -> Any:
     if config.nvml_fake:
         from ..nvml_fake import FakeNvml
 
-        source = FakeNvml.from_fixture(config.nvml_fake)
+        delays = json.loads(os.environ.get(FAKE_DELAYS_ENV) or "{}")
+        source = FakeNvml.from_fixture(config.nvml_fake, delays=delays)
     return NvmlCollector(source, interval_seconds=config.nvml_interval_seconds, pcie=config.nvml_pcie,
                          processes=config.nvml_processes, pid_to_rank=agent_store_pids)
 

@@ -30,6 +30,9 @@ class PatrolConfig:
     """Steps over which window statistics (mean, max, ratios, slope) are computed."""
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step; Patrol.step() is called once per micro-step."""
+    readback_lag_seconds: float = 0.02
+    """On CUDA, device values are copied to the host in batches covering about this much time (at
+    most 16 steps), so fast steps pay for fewer kernel launches; guards see them that much later."""
     memory_interval_seconds: float = 1.0
     """Allocator reads happen at most this often (13-139 µs each on an H200)."""
     checkpoint_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_CHECKPOINT_DIR",

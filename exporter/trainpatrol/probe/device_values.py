@@ -1,7 +1,9 @@
-"""Builds the per-step device vector: loss, grad norm, loss scale, and running non-finite counts.
+"""Keeps each step's loss, grad norm and loss scale on the device, in a ring of rows.
 
-Everything stays on the device. The non-finite counts accumulate there too, so a NaN is counted
-even if its step's read-back is skipped; the host reads the vector one step later.
+One kernel a step writes a row. Every few steps (``flush``) the filled rows go to the host in one
+non-blocking copy, so a fast step pays for about one kernel launch. Every row is read back (the
+host counts the non-finite ones), because the CPU can never run far enough ahead of the GPU to use
+up the pinned buffers.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from collections.abc import Iterable
 
 import torch
 
-LOSS, GRAD_NORM, SCALE, NONFINITE_LOSS, NONFINITE_GRAD = range(5)
-WIDTH = 5
+LOSS, GRAD_NORM, SCALE = range(3)
+ROW = 3
+ROWS = 16
+WIDTH = ROWS * ROW
 ABSENT = -1.0
 """Grad-norm slot value when no norm was computed (no model given, no norm passed)."""
 
@@ -34,26 +38,23 @@ def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor | None
 
 
 class DeviceValues:
-    """Writes each step's values into one preallocated device buffer: 4 small kernels a step.
-
-    Reusing the buffer is safe: the copy to the host is queued on the same stream before the next
-    step's kernels overwrite it.
-    """
+    """Reusing the ring is safe: the copy to the host is queued on the same stream before later
+    steps' kernels overwrite a row."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buf = torch.zeros(WIDTH, dtype=torch.float32, device=device)
-        self._values = self._buf[:NONFINITE_LOSS]
-        self._nonfinite = self._buf[NONFINITE_LOSS:]
+        self._rows = self._buf.view(ROWS, ROW)
         self._absent = torch.full((), ABSENT, dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
+        self.filled = 0
 
     def _scalar(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().reshape(())
         return t if t.dtype == torch.float32 and t.device == self.device else t.to(self.device, torch.float32)
 
-    def vector(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
-               scale: torch.Tensor | None) -> torch.Tensor:
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None, scale: torch.Tensor | None) -> None:
+        """Write one step's row (call ``flush`` before ``ROWS`` rows are filled)."""
         if grad_norm is None:
             gn = self._absent
         elif isinstance(grad_norm, torch.Tensor):
@@ -61,6 +62,16 @@ class DeviceValues:
         else:
             gn = torch.full((), float(grad_norm), dtype=torch.float32, device=self.device)
         sc = self._one if scale is None else self._scalar(scale)
-        torch.stack([self._scalar(loss), gn, sc], out=self._values)
-        torch.add(self._nonfinite, torch.isfinite(self._values[:SCALE]).logical_not_(), out=self._nonfinite)
-        return self._buf
+        torch.stack([self._scalar(loss), gn, sc], out=self._rows[self.filled])
+        self.filled += 1
+
+    def flush(self) -> tuple[int, torch.Tensor]:
+        """Returns (filled rows, the buffer to copy to the host) and starts a new batch."""
+        n, self.filled = self.filled, 0
+        return n, self._buf
+
+
+def unpack(first_step: int, rows: int, values: list[float]) -> list[tuple[int, float, float, float]]:
+    """Host side: [(step, loss, grad norm, scale), ...]."""
+    return [(first_step + i, values[i * ROW + LOSS], values[i * ROW + GRAD_NORM], values[i * ROW + SCALE])
+            for i in range(rows)]

@@ -73,6 +73,7 @@ class Patrol:
         self.guards = Guards(cfg.guards)
         self._values = dv.DeviceValues(self.device)
         self._readback = Readback(self.device, dv.WIDTH)
+        self._flush_every = 1
         self._memory_reader = cfg.memory_reader or default_reader(self.device)
         self._last_memory = -math.inf
         self._audit: LoaderAudit | None = None
@@ -158,7 +159,7 @@ class Patrol:
         if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: False)():
             scale = getattr(self.scaler, "_scale", None)
         t.steps += 1
-        self._readback.submit(t.steps, self._values.vector(mean_loss, grad_norm, scale))
+        self._values.record(mean_loss, grad_norm, scale)
         now = time.perf_counter()
         rec = self.history.record(t.steps, time.time())
         rec.step_seconds = now - self._last_step_end
@@ -174,6 +175,8 @@ class Patrol:
         if self._memory_reader is not None and now - self._last_memory >= self.config.memory_interval_seconds:
             self._last_memory = now
             self._read_memory(rec.step)
+        if self._values.filled >= self._flush_every:
+            self._flush()
         self._absorb(self._readback.poll())
         rec.probe_seconds = self._probe_since_step + (time.perf_counter() - start)
         self._probe_since_step = 0.0
@@ -193,21 +196,33 @@ class Patrol:
         self.latest.memory = m
         self._trip(self.guards.check_memory(m))
 
-    def _absorb(self, values: list[tuple[int, list[float]]]) -> None:
-        """Fold read-back device values (one step late) into history, totals and guards."""
-        for step, v in values:
-            loss = v[dv.LOSS]
-            gn = None if v[dv.GRAD_NORM] == dv.ABSENT else v[dv.GRAD_NORM]
-            self._trip(self.guards.check_step(step, loss, gn, self.history))
-            rec = self.history.get(step)
-            if rec is not None:
-                rec.loss, rec.grad_norm = loss, math.nan if gn is None else gn
-            self.latest.loss, self.latest.grad_norm = loss, math.nan if gn is None else gn
-            self.totals.nonfinite_loss, self.totals.nonfinite_grad = v[dv.NONFINITE_LOSS], v[dv.NONFINITE_GRAD]
-            if self.scaler is not None:
-                if v[dv.SCALE] < self._last_scale:
-                    self.totals.amp_skipped += 1
-                self._last_scale = self.latest.loss_scale = v[dv.SCALE]
+    def _flush(self) -> None:
+        """Send the filled rows to the host; on CUDA, size the next batch to about ``readback_lag``."""
+        if not self._values.filled:
+            return
+        rows, buf = self._values.flush()
+        self._readback.submit((self.totals.steps - rows + 1, rows), buf)
+        if self.device.type == "cuda":
+            recent = self.history.median("step_seconds", 8)
+            lag = self.config.readback_lag_seconds
+            self._flush_every = max(1, min(dv.ROWS, int(lag / recent) if recent > 0 else 1))
+
+    def _absorb(self, values: list[tuple[tuple[int, int], list[float]]]) -> None:
+        """Fold read-back device values (late by a step or a few) into history, totals and guards."""
+        for (first, rows), v in values:
+            for step, loss, raw_gn, scale in dv.unpack(first, rows, v):
+                gn = None if raw_gn == dv.ABSENT else raw_gn
+                self.totals.nonfinite_loss += not math.isfinite(loss)
+                self.totals.nonfinite_grad += gn is not None and not math.isfinite(gn)
+                self._trip(self.guards.check_step(step, loss, gn, self.history))
+                rec = self.history.get(step)
+                if rec is not None:
+                    rec.loss, rec.grad_norm = loss, math.nan if gn is None else gn
+                self.latest.loss, self.latest.grad_norm = loss, math.nan if gn is None else gn
+                if self.scaler is not None:
+                    if scale < self._last_scale:
+                        self.totals.amp_skipped += 1
+                    self._last_scale = self.latest.loss_scale = scale
 
     def _trip(self, tripped: list[tuple[str, str]]) -> None:
         for guard, detail in tripped:
@@ -271,6 +286,7 @@ class Patrol:
         self.latest.interval_steps = self.coordinator.interval
         self._probe_since_step += time.perf_counter() - start
         if agreed is not None and agreed.commands:
+            self._flush()
             self._absorb(self._readback.drain())
             self.executor.execute(agreed)
             self._last_step_end = time.perf_counter()
@@ -306,6 +322,7 @@ class Patrol:
     def close(self) -> None:
         if self.state == "closed":
             return
+        self._flush()
         self._absorb(self._readback.drain())
         if self.state not in ("stopped",):
             self.state = "closed"
@@ -323,6 +340,7 @@ class Patrol:
 
     def oom_forensics(self, exc: BaseException) -> Path:
         """Write an evidence directory for an OOM and push a final snapshot; the caller re-raises."""
+        self._flush()
         self._absorb(self._readback.poll())
         if self._memory_reader is not None:
             self._read_memory(self.totals.steps)

@@ -7,11 +7,15 @@ blocks). On CPU the values are available at once.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import torch
 
+log = logging.getLogger("trainpatrol")
 RING = 8
+Tag = tuple[int, int]
+"""(first step, rows) of a read-back."""
 
 
 class Readback:
@@ -21,42 +25,44 @@ class Readback:
         self.dropped = 0
         self._cuda = device.type == "cuda"
         self._free: deque[torch.Tensor] = deque()
-        self._pending: deque[tuple[int, torch.Tensor | list[float], torch.cuda.Event | None]] = deque()
+        self._pending: deque[tuple[Tag, torch.Tensor | list[float], torch.cuda.Event | None]] = deque()
         if self._cuda:
             for _ in range(RING):
                 self._free.append(torch.empty(width, dtype=torch.float32, pin_memory=True))
 
-    def submit(self, step: int, vector: torch.Tensor) -> None:
-        """Queue ``vector`` (on the device, float32, length ``width``) to be read for ``step``."""
+    def submit(self, tag: Tag, vector: torch.Tensor) -> None:
+        """Queue ``vector`` (on the device, float32, length ``width``) to be read back with ``tag``."""
         if not self._cuda:
-            self._pending.append((step, vector.tolist(), None))  # a host tensor: reading it is free
+            self._pending.append((tag, vector.tolist(), None))  # a host tensor: reading it is free
             return
         if not self._free:
             # the GPU is more than RING steps behind: skip this step's values rather than block;
             # the device-side counters still carry every non-finite step
             self.dropped += 1
+            if self.dropped == 1:
+                log.warning("trainpatrol: the GPU is over %d read-backs behind; skipping values (counted)", RING)
             return
         buf = self._free.popleft()
         buf.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((step, buf, event))
+        self._pending.append((tag, buf, event))
 
-    def poll(self) -> list[tuple[int, list[float]]]:
-        out: list[tuple[int, list[float]]] = []
+    def poll(self) -> list[tuple[Tag, list[float]]]:
+        out: list[tuple[Tag, list[float]]] = []
         while self._pending:
-            step, buf, event = self._pending[0]
+            tag, buf, event = self._pending[0]
             if event is not None and not event.query():
                 break
             self._pending.popleft()
             if isinstance(buf, list):
-                out.append((step, buf))
+                out.append((tag, buf))
             else:
-                out.append((step, buf.tolist()))
+                out.append((tag, buf.tolist()))
                 self._free.append(buf)
         return out
 
-    def drain(self) -> list[tuple[int, list[float]]]:
+    def drain(self) -> list[tuple[Tag, list[float]]]:
         """Wait for everything queued: only for close(), OOM forensics and actions, never per step."""
         if self._cuda and self._pending:
             last = self._pending[-1][2]
