@@ -148,7 +148,7 @@ def _agent(port: int) -> subprocess.Popen[bytes] | None:
 
 
 def bench_case(case: Case, device: torch.device, reps: int, steps: int, warmup: int, agent_url: str,
-               ddp: bool) -> dict[str, Any]:
+               ddp: bool, push_interval: float) -> dict[str, Any]:
     torch.manual_seed(0)
     model = case.build(device)
     if ddp:
@@ -158,7 +158,8 @@ def bench_case(case: Case, device: torch.device, reps: int, steps: int, warmup: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     batches = [case.batch(device) for _ in range(4)]
     cfg = PatrolConfig(run=f"bench-{case.name}", agent_url=agent_url, embedded_agent=False,
-                       checkpoint_dir="/tmp/trainpatrol-bench/ckpt", evidence_dir="/tmp/trainpatrol-bench/ev")
+                       checkpoint_dir="/tmp/trainpatrol-bench/ckpt", evidence_dir="/tmp/trainpatrol-bench/ev",
+                       push_interval_seconds=push_interval)
     patrol = Patrol(model=model, optimizer=opt, config=cfg)
     variants = ["bare", "patrol", "naive"]
     run_variant("bare", model, opt, case, batches, warmup, None, device)
@@ -194,6 +195,7 @@ def main() -> None:
     ap.add_argument("--case", action="append")
     ap.add_argument("--ddp", action="store_true", help="run under torchrun; wraps the model in DDP")
     ap.add_argument("--port", type=int, default=9471)
+    ap.add_argument("--push-interval", type=float, default=1.0, help="Patrol's push interval (diagnostics)")
     args = ap.parse_args()
     ddp = args.ddp
     if ddp:
@@ -211,14 +213,14 @@ def main() -> None:
     time.sleep(2.0 if agent else 0)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        results = [bench_case(CASES[n], device, reps, steps, warmup, url, ddp) for n in names]
+        results = [bench_case(CASES[n], device, reps, steps, warmup, url, ddp, args.push_interval) for n in names]
     finally:
         if agent is not None:
             agent.terminate()
     if local == 0:
         print(json.dumps({
             "benchmark": "overhead", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-            platform.processor() or platform.machine(), "torch": torch.__version__, "ddp_world": int(
+            platform.processor() or platform.machine(), "torch": torch.__version__, "push_interval_seconds": args.push_interval, "ddp_world": int(
                 os.environ.get("WORLD_SIZE", 1)) if ddp else 1, "agent": agent is not None, "results": results,
         }, indent=2))
     if ddp:

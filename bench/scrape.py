@@ -1,0 +1,263 @@
+"""/metrics under load: a real agent with 8 fake H200s whose slow NVML calls take as long as on the
+real GPU, 8 and then 64 ranks pushing once a second, and a scraper asking for /metrics 10 times a
+second. Reports scrape latency (p50/p99), the agent's CPU share of one core and its RSS, as JSON:
+
+    python bench/scrape.py [--quick] [--ranks 8,64] [--seconds 30]
+
+The rank payload is a real Patrol snapshot (scripted steps, an H200-sized allocator reading), sent
+as each rank with world_size 64. Pushers run in a process of their own, so their CPU does not
+slow the scraper; both talk HTTP to the agent as Patrol and Prometheus do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import http.client
+import json
+import multiprocessing
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "exporter"))
+
+WORLD_SIZE = 64
+DELAYS = {"nvmlDeviceGetPcieThroughput": 0.0208, "nvmlDeviceGetTotalEnergyConsumption": 0.003}
+TARGETS = {"p99_ms": 10.0, "cpu_core_share_at_64": 0.02, "rss_mb": 150.0}
+H200_BYTES = 150_754_820_096
+
+
+def patrol_snapshot() -> dict[str, Any]:
+    """One rank's push payload after 200 scripted steps, with allocator readings as on a GPU."""
+    import logging
+
+    import torch
+
+    from trainpatrol import Patrol, PatrolConfig
+    from trainpatrol.probe.memory import MemoryReading
+
+    logging.getLogger("trainpatrol").setLevel(logging.ERROR)  # its publisher has no agent to reach
+
+    def memory() -> MemoryReading:
+        return MemoryReading(allocated=61e9, reserved=72e9, active=60e9, inactive_split=2.5e9,
+                             peak_allocated=70e9, alloc_retries=0, ooms=0, capacity=H200_BYTES)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = PatrolConfig(run="bench", agent_url="http://127.0.0.1:9", embedded_agent=False,
+                           checkpoint_dir=f"{tmp}/ckpt", evidence_dir=f"{tmp}/evidence",
+                           push_interval_seconds=3600.0, memory_reader=memory, memory_interval_seconds=0.0)
+        patrol = Patrol(config=cfg, device="cpu")
+        for i in range(200):
+            patrol.boundary()
+            patrol.step(torch.tensor(3.0 - 0.005 * i), grad_norm=torch.tensor(0.8 + 0.001 * i), batch_size=32,
+                        tokens=32 * 1024, learning_rates=[3e-4])
+        snap = patrol.snapshot()
+        patrol.publisher.stop(final_push=False)
+    snap.update(world_size=WORLD_SIZE, host="bench-node", gpu_uuid="GPU-00000000-0000-0000-0000-000000000000")
+    return snap
+
+
+def push_ranks(port: int, template: dict[str, Any], ranks: int, stop: Any, counts: Any) -> None:
+    """Each rank pushes about once a second from its own thread, with its own phase, like Patrol."""
+
+    def rank_loop(rank: int) -> None:
+        snap = copy.deepcopy(template)
+        snap.update(rank=rank, local_rank=rank % 8, pid=100_000 + rank, instance=f"{rank:016x}")
+        for s in snap["samples"]:
+            if "local_rank" in s["labels"]:
+                s["labels"]["local_rank"] = str(rank % 8)
+        seq, step = 0, int(snap["step"])
+        next_at = time.monotonic() + random.random()
+        while not stop.is_set():
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += 1.0
+            seq, step = seq + 1, step + 3
+            snap.update(seq=seq, step=step, time=time.time())
+            body = json.dumps(snap).encode()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+                conn.request("POST", "/v1/push", body=body, headers={"Content-Type": "application/json"})
+                ok = conn.getresponse().status == 200
+                conn.close()
+            except OSError:
+                ok = False
+            with counts.get_lock():
+                counts[0 if ok else 1] += 1
+
+    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(6.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(conn: http.client.HTTPConnection, path: str) -> bytes:
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    body = resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"GET {path} answered {resp.status}: {body[:200]!r}")
+    return body
+
+
+def get_once(port: int, path: str) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+    try:
+        return get(conn, path)
+    finally:
+        conn.close()
+
+
+def wait_until(what: str, predicate: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except (OSError, RuntimeError, http.client.HTTPException):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, Any], log_dir: Path,
+            profile: Path | None = None) -> dict[str, Any]:
+    port = free_port()
+    env = dict(os.environ, TRAINPATROL_NVML_FAKE_DELAYS=json.dumps(DELAYS), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "exporter"), env.get("PYTHONPATH", "")])
+    fixture = REPO / "exporter" / "trainpatrol" / "data" / "nvml_h200.json"
+    prof = ["-m", "cProfile", "-o", str(profile / f"agent-{ranks}.prof")] if profile else []
+    cmd = [sys.executable, *prof, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port),
+           "--nvml-fake", str(fixture), "--nvml-pcie", "--log-level", "warning"]
+    log = open(log_dir / f"agent-{ranks}.log", "wb")  # noqa: SIM115 - closed in the finally below
+    agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    ctx = multiprocessing.get_context("spawn")
+    stop, counts = ctx.Event(), ctx.Array("l", [0, 0])
+    pusher = ctx.Process(target=push_ranks, args=(port, template, ranks, stop, counts), daemon=True)
+    try:
+        wait_until("agent /healthz", lambda: get_once(port, "/healthz"), 30)
+        pusher.start()
+        wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks), 30)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+        time.sleep(2.0)  # let every rank push at least twice before measuring
+        proc = psutil.Process(agent.pid)
+        pushed_before = counts[0]
+        cpu_before, wall_before = proc.cpu_times(), time.monotonic()
+        latencies, rss_peak, size = [], 0, 0
+        next_at = time.monotonic()
+        while time.monotonic() - wall_before < seconds:
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += 1.0 / scrape_hz
+            start = time.perf_counter()
+            body = get(conn, "/metrics")
+            latencies.append(time.perf_counter() - start)
+            size = len(body)
+            if len(latencies) % 10 == 0:
+                rss_peak = max(rss_peak, proc.memory_info().rss)
+        cpu_after, wall_after = proc.cpu_times(), time.monotonic()
+        pushes = counts[0] - pushed_before
+        rss_peak = max(rss_peak, proc.memory_info().rss)
+        text = get(conn, "/metrics").decode()
+        conn.close()
+    finally:
+        stop.set()
+        if pusher.pid is not None:
+            pusher.join(10)
+        agent.terminate()  # uvicorn exits cleanly on SIGTERM, so cProfile writes its file
+        agent.wait(20)
+        log.close()
+    wall = wall_after - wall_before
+    cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
+    ms = [x * 1000 for x in latencies]
+    return {
+        "ranks": ranks,
+        "seconds": round(wall, 2),
+        "scrapes": len(ms),
+        "scrape_ms_p50": round(statistics.median(ms), 3),
+        "scrape_ms_p99": round(percentile(ms, 0.99), 3),
+        "scrape_ms_max": round(max(ms), 3),
+        "cpu_core_share": round(cpu / wall, 4),
+        "rss_mb_peak": round(rss_peak / 2**20, 1),
+        "pushes_per_second": round(pushes / wall, 2),
+        "push_errors": counts[1],
+        "exposition_bytes": size,
+        "series": sum(1 for line in text.splitlines() if line and not line.startswith("#")),
+        "collector_duration_seconds": _collector_durations(text),
+    }
+
+
+def _ready(port: int, ranks: int) -> bool:
+    runs = json.loads(get_once(port, "/v1/runs"))["runs"]
+    hosted = sum(len(r["ranks"]) for r in runs)
+    nvml_ok = 'trainpatrol_collector_success{collector="nvml"} 1.0' in get_once(port, "/metrics").decode()
+    return hosted == ranks and nvml_ok
+
+
+def _collector_durations(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("trainpatrol_collector_duration_seconds{"):
+            name = line.split('"')[1]
+            out[name] = round(float(line.rsplit(" ", 1)[1]) * 1000, 3)
+    return {f"{k}_ms": v for k, v in sorted(out.items())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="5 s per configuration instead of 30")
+    parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--ranks", default="8,64", help="comma-separated pushing-rank counts")
+    parser.add_argument("--scrape-hz", type=float, default=10.0)
+    parser.add_argument("--profile", type=Path, help="run the agent under cProfile, writing agent-N.prof here")
+    args = parser.parse_args()
+    seconds = args.seconds or (5.0 if args.quick else 30.0)
+    template = patrol_snapshot()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in (int(x) for x in args.ranks.split(",")):
+            results.append(measure(ranks, seconds, args.scrape_hz, template, Path(tmp), args.profile))
+    worst = {
+        "p99_ms": max(r["scrape_ms_p99"] for r in results),
+        "rss_mb": max(r["rss_mb_peak"] for r in results),
+        "cpu_core_share_at_64": next((r["cpu_core_share"] for r in results if r["ranks"] == 64), None),
+    }
+    report = {
+        "bench": "scrape",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "setup": {"gpus": 8, "nvml_fake_delays_seconds": DELAYS, "nvml_pcie": True, "nvml_interval_seconds": 1.0,
+                  "push_hz_per_rank": 1.0, "scrape_hz": args.scrape_hz, "seconds_per_config": seconds,
+                  "samples_per_push": len(template["samples"]), "push_bytes": len(json.dumps(template))},
+        "results": results,
+        "targets": TARGETS,
+        "met": {k: v is not None and v <= TARGETS[k] for k, v in worst.items()},
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
