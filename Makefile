@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,report,huggingface,lightning]'
+	$(PIP) -e '.[dev,report,huggingface,lightning]' torch==2.13.0
 	touch $(STAMP)
 
 # Prometheus, Alertmanager (with promtool/amtool) and Chromium from Debian, only when missing.

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import needs_prometheus, needs_promtool
+from markers import needs_prometheus, needs_promtool
 from servers import (
     PROMTOOL,
     agent,

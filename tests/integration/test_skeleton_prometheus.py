@@ -6,8 +6,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import needs_prometheus, needs_promtool
 from loops import run_scripted, scripted_patrol
+from markers import needs_prometheus, needs_promtool
 from servers import PROMTOOL, agent, free_port, http_get, prometheus, query_value, wait_for
 
 LOSSES = [4.0 - i / 64 for i in range(120)]  # exact in float32

@@ -43,7 +43,8 @@ class DeviceValues:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._buf = torch.zeros(WIDTH, dtype=torch.float32, device=device)
+        # float64 so a float64 loss reads back exactly; stack() casts into it inside its one kernel
+        self._buf = torch.zeros(WIDTH, dtype=torch.float64, device=device)
         self._rows = self._buf.view(ROWS, ROW)
         self._absent = torch.full((), ABSENT, dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
@@ -51,7 +52,7 @@ class DeviceValues:
 
     def _scalar(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().reshape(())
-        return t if t.dtype == torch.float32 and t.device == self.device else t.to(self.device, torch.float32)
+        return t if t.device == self.device else t.to(self.device)
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None, scale: torch.Tensor | None) -> None:
         """Write one step's row (call ``flush`` before ``ROWS`` rows are filled)."""
@@ -60,7 +61,7 @@ class DeviceValues:
         elif isinstance(grad_norm, torch.Tensor):
             gn = self._scalar(grad_norm)
         else:
-            gn = torch.full((), float(grad_norm), dtype=torch.float32, device=self.device)
+            gn = torch.full((), float(grad_norm), dtype=torch.float64, device=self.device)
         sc = self._one if scale is None else self._scalar(scale)
         torch.stack([self._scalar(loss), gn, sc], out=self._rows[self.filled])
         self.filled += 1
