@@ -218,11 +218,11 @@ def main() -> None:
         if agent is not None:
             agent.terminate()
     if local == 0:
-        print(json.dumps({
-            "benchmark": "overhead", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-            platform.processor() or platform.machine(), "torch": torch.__version__, "push_interval_seconds": args.push_interval, "ddp_world": int(
-                os.environ.get("WORLD_SIZE", 1)) if ddp else 1, "agent": agent is not None, "results": results,
-        }, indent=2))
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+        world = int(os.environ.get("WORLD_SIZE", 1)) if ddp else 1
+        print(json.dumps({"benchmark": "overhead", "device": name, "torch": torch.__version__,
+                          "push_interval_seconds": args.push_interval, "ddp_world": world,
+                          "agent": agent is not None, "results": results}, indent=2))
     if ddp:
         import torch.distributed as dist
 

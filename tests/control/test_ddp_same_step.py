@@ -76,6 +76,13 @@ def test_pause_reaches_all_ranks_at_the_same_step_twenty_times(tmp_path: Path) -
     assert actions.count("pause") >= 15 and actions.count("resume") >= 15
     assert all(a["outcome"] == "ok" for rec in records for a in rec["actions"])
     assert len({rec["steps"] for rec in records}) == 1
+    # replicated state once (rank 0), per-rank state per rank, in every checkpoint; pause ones pinned
+    checkpoints = sorted((tmp_path / "ckpt").glob("step-*"))
+    assert len(checkpoints) >= 15
+    for ckpt in checkpoints:
+        assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "rank-00000.pt", "rank-00001.pt",
+                                                          "rank-00002.pt", "rank-00003.pt", "state.pt"]
+        assert json.loads((ckpt / "meta.json").read_text())["pinned"] is True
 
 
 def test_nan_on_rank_one_pauses_every_rank_through_the_local_guard(tmp_path: Path) -> None:

@@ -163,3 +163,40 @@ def test_failed_checkpoint_keeps_previous_and_stays_paused(tmp_path: Path) -> No
         t.join(30)
         assert result == [None] and patrol.step_count == 10
         patrol.close()
+
+
+def test_pause_timeout_turns_into_stop(tmp_path: Path) -> None:
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "timeout", pause_timeout_seconds=0.3)
+    losses: list[float] = []
+    train(patrol, model, 3, losses)
+    patrol.request("pause", "test")
+    assert train(patrol, model, 10, losses) == STOP_EXIT_CODE
+    assert [(a.action, a.outcome) for a in patrol.actions] == [("pause", "ok"), ("stop", "ok")]
+    assert patrol.state == "stopped" and patrol.step_count == 3
+    patrol.close()
+
+
+def test_user_save_fn_and_extra_state_round_trip(tmp_path: Path) -> None:
+    saved: list[Path] = []
+
+    def save_fn(directory: Path, state: dict[str, Any]) -> None:
+        saved.append(directory)
+        torch.save({"custom": True, **state}, directory / "custom.pt")
+
+    extra = {"epoch": 3, "sampler_offset": 1234}
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn")
+    patrol.extra_state = lambda: dict(extra)
+    patrol.checkpointer.save_fn = save_fn
+    train(patrol, model, 4, [])
+    patrol.request("checkpoint", "test")
+    train(patrol, model, 5, [])
+    patrol.close()
+    assert saved == [tmp_path / "ckpt" / "step-00000004"]
+    assert torch.load(saved[0] / "custom.pt", weights_only=False)["custom"] is True
+    assert not (saved[0] / "state.pt").exists()  # the user's saver replaces the default one
+    restored: list[dict[str, Any]] = []
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn")
+    patrol.load_extra_state = restored.append
+    assert patrol.restore(saved[0]) == 4
+    assert restored == [extra]
+    patrol.close()
