@@ -87,3 +87,17 @@ def make_real_bundle(work: Path) -> Path:
     bundles = sorted((work / "evidence").glob("*-pause"))
     assert len(bundles) == 1, sorted((work / "evidence").glob("*"))
     return bundles[0]
+
+
+def heard_guard(bundle: Path) -> str:
+    """The guard whose request the ranks agreed on, from the part of the rank that heard it itself.
+
+    Each rank's extra.json holds its view of the request: the guard's own record on the rank that made
+    it, "agreed with another rank" on the others. Which guard wins (the loss's on the NaN rank, or the
+    gradient norm's on another rank, DDP spreading the NaN) varies from run to run.
+    """
+    sources = {json.loads((part / "extra.json").read_text())["trigger"]["source"]
+               for part in sorted(bundle.glob("rank-*"))}
+    heard = sources - {"agreed with another rank"}
+    assert len(heard) == 1 and next(iter(heard)).startswith("guard:"), sources
+    return next(iter(heard)).removeprefix("guard:")

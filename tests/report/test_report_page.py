@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from report_run import NAN_AT, NAN_RANK
+from report_run import NAN_AT, NAN_RANK, WORLD, heard_guard
 
 from loops import run_scripted, scripted_patrol
 from trainpatrol.cli import main
@@ -78,8 +78,21 @@ def _svg(page: str) -> str:
     return page[page.index("<svg"):page.index("</svg>")]
 
 
-def test_page_is_self_contained(real_bundle: Path) -> None:
-    page = write_report(real_bundle).read_text()
+def test_the_run_wrote_its_report(real_bundle: Path) -> None:
+    """Rank 0 writes report.html after the manifest, so a fresh bundle holds a whole page."""
+    page = (real_bundle / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.endswith("</html>\n")
+    assert "is missing" not in page and "could not be read" not in page  # every part was on disk
+    assert f"local guard <strong>{heard_guard(real_bundle)}</strong>" in page
+    assert "does not name its cause" not in page
+    assert f'id="line-loss-rank{NAN_RANK}"' in _svg(page)
+    loader = page[page.index('<section id="loader">'):page.index('<section id="gpu">')]
+    assert f"<h3>Ranks 0-{WORLD - 1}</h3>" in loader  # the run's DataLoader, audited on every rank
+    assert "<td>num_workers</td><td>0</td>" in loader and ADVICE["num_workers_zero"] in loader
+
+
+def test_page_is_self_contained(bundle_copy: Path) -> None:
+    page = write_report(bundle_copy).read_text()
     parser = _Tags()
     parser.feed(page)
     names = {t for t, _ in parser.tags}
@@ -94,8 +107,8 @@ def test_page_is_self_contained(real_bundle: Path) -> None:
     assert "default-src 'none'" in page  # and a CSP that would block any fetch that slipped in
 
 
-def test_nan_breaks_the_line_and_is_listed(real_bundle: Path) -> None:
-    page = write_report(real_bundle).read_text()
+def test_nan_breaks_the_line_and_is_listed(bundle_copy: Path) -> None:
+    page = write_report(bundle_copy).read_text()
     svg = _svg(page)
     line = re.search(rf'<g id="line-loss-rank{NAN_RANK}">\s*<path d="([^"]+)"', svg)
     assert line is not None
@@ -103,11 +116,9 @@ def test_nan_breaks_the_line_and_is_listed(real_bundle: Path) -> None:
     assert f'id="nonfinite-loss-rank{NAN_RANK}"' in svg
     assert f"NaN at step {NAN_AT}, rank {NAN_RANK}" in svg
     assert "<td>loss</td><td>1</td><td>NaN</td><td>30</td>" in page
-    source = json.loads((real_bundle / "trigger.json").read_text())["source"]
-    if source.startswith("guard:"):  # rank 0 heard the winning request itself
-        assert f"local guard <strong>{source.removeprefix('guard:')}</strong>" in page
-    else:  # only another rank did: the page reads the cause from the history
-        assert f"the history shows a NaN loss at step {NAN_AT} on rank {NAN_RANK}" in page
+    # the rank that heard the winning request records it in its extra.json; the page names that guard
+    assert f"local guard <strong>{heard_guard(bundle_copy)}</strong>" in page
+    assert "does not name its cause" not in page
 
 
 def test_cli_regenerates_the_page(bundle_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,12 +155,18 @@ def test_alert_trigger_and_its_runbook_section(bundle_copy: Path, tmp_path: Path
     assert f"From {runbooks}, section “TrainPatrolNonFiniteLoss”" in next_steps
 
 
-def test_a_ranks_own_trigger_record_names_the_guard(bundle_copy: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("heard_by", [0, NAN_RANK])
+def test_a_ranks_own_trigger_record_names_the_guard(bundle_copy: Path, tmp_path: Path, heard_by: int) -> None:
+    """One rank heard the request (its guard's record), the others only the agreed word; trigger.json is
+    rank 0's view. The guard's record wins wherever it is."""
     trigger = {"id": 9, "action": "pause", "source": "guard:nonfinite_loss",
-               "reason": f"local guard nonfinite_loss: loss nan at step {NAN_AT}"}
-    _edit_json(bundle_copy / f"rank-{NAN_RANK:05d}" / "extra.json", lambda d: {**d, "trigger": trigger})
-    (bundle_copy / "trigger.json").write_text(json.dumps({"id": 9, "action": "pause",
-                                                          "source": "agreed with another rank"}))
+               "reason": f"local guard nonfinite_loss: loss nan at step {NAN_AT}", "alert": None}
+    agreed = {"id": 9, "action": "pause", "source": "agreed with another rank"}
+    for rank in range(WORLD):
+        view = trigger if rank == heard_by else agreed
+        _edit_json(bundle_copy / f"rank-{rank:05d}" / "extra.json", lambda d, v=view: {**d, "trigger": v})
+        if rank == 0:
+            (bundle_copy / "trigger.json").write_text(json.dumps(view))
     runbooks = tmp_path / "runbooks.md"
     runbooks.write_text("## TrainPatrolSomethingElse\n\nNo.\n")
     page = write_report(bundle_copy, runbooks=runbooks).read_text()
@@ -157,6 +174,7 @@ def test_a_ranks_own_trigger_record_names_the_guard(bundle_copy: Path, tmp_path:
     assert "does not name its cause" not in page
     assert f"{runbooks} has no section TrainPatrolNonFiniteLoss or nonfinite_loss" in page
     assert "bad data" in page  # the built-in hint for the guard stands in
+    assert f"local guard nonfinite_loss: loss nan at step {NAN_AT}" in page  # the record's reason
 
 
 def test_inf_values_are_marked(bundle_copy: Path) -> None:
@@ -176,19 +194,21 @@ def test_inf_values_are_marked(bundle_copy: Path) -> None:
 
 
 def test_loader_audit_with_its_advice(bundle_copy: Path) -> None:
-    audit = {"info": {"num_workers": "0", "pin_memory": "false", "batch_size": "16"},
-             "warnings": {"num_workers_zero": ADVICE["num_workers_zero"]}}
-    for part in ("rank-00000", "rank-00001"):
-        _edit_json(bundle_copy / part / "extra.json", lambda d: {**d, "loader_audit": audit})
+    # rank 0 keeps the run's own audit (num_workers=0); rank 1's differs, its advice left for the page to fill
+    audit = {"info": {"num_workers": "4", "pin_memory": "false", "batch_size": "16"},
+             "warnings": {"pin_memory_off": ""}}
+    _edit_json(bundle_copy / "rank-00001" / "extra.json", lambda d: {**d, "loader_audit": audit})
     page = write_report(bundle_copy).read_text()
     loader = page[page.index('<section id="loader">'):page.index('<section id="gpu">')]
-    assert "<h3>Ranks 0-1</h3>" in loader
-    assert "<td>num_workers</td><td>0</td>" in loader
-    assert "num_workers=0 loads batches on the training thread" in loader
+    assert "<h3>Ranks 0</h3>" in loader and "<h3>Ranks 1</h3>" in loader
+    assert "<td>num_workers</td><td>0</td>" in loader and "<td>num_workers</td><td>4</td>" in loader
+    assert ADVICE["num_workers_zero"] in loader and ADVICE["pin_memory_off"] in loader
     assert "carries no DataLoader audit" not in loader
 
 
 def test_missing_audit_and_non_dataloader_are_said(bundle_copy: Path) -> None:
+    # rank 0's part has no audit at all (an older bundle); rank 1's audit is null (not a torch DataLoader)
+    _edit_json(bundle_copy / "rank-00000" / "extra.json", lambda d: {k: v for k, v in d.items() if k != "loader_audit"})
     _edit_json(bundle_copy / "rank-00001" / "extra.json", lambda d: {**d, "loader_audit": None})
     page = write_report(bundle_copy).read_text()
     assert "did not come from a torch DataLoader" in page
