@@ -150,3 +150,19 @@ def query_value(prom_url: str, expr: str) -> float | None:
     if not result:
         return None
     return float(result[0]["value"][1])
+
+
+@contextmanager
+def alert_loop(tmp: Path, rules: Path, token_file: Path, group_interval: str = "1s") -> Iterator[tuple[str, str, str]]:
+    """The whole loop: an agent holding the token in ``token_file``, an Alertmanager routing as
+    alerting/alertmanager.yml does to that agent's webhook (bearer ``token_file``, ``group_wait: 0s``,
+    ``group_interval`` overridden so resolved notifications come quickly), and a Prometheus evaluating
+    ``rules`` every second. Yields the agent, Prometheus and Alertmanager URLs."""
+    from trainpatrol.stack import WEBHOOK_PATH, alertmanager_config
+
+    template = (REPO / "alerting" / "alertmanager.yml").read_text()
+    with agent(tmp, "--no-nvml", "--token-file", str(token_file)) as agent_url:
+        am_yaml = alertmanager_config(template, agent_url + WEBHOOK_PATH, token_file, group_interval=group_interval)
+        with alertmanager(tmp, am_yaml) as am_url, \
+                prometheus(tmp, [agent_url.removeprefix("http://")], [rules], alertmanager_url=am_url) as prom_url:
+            yield agent_url, prom_url, am_url

@@ -60,8 +60,11 @@ def _demo_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a small model with Patrol, inject a fault, pause and resume")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--run", default="demo")
-    p.add_argument("--agent-url", default="http://127.0.0.1:9400")
-    p.add_argument("--inject", default="nan@150", help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)}")
+    p.add_argument("--agent-url", default="http://127.0.0.1:9400",
+                   help="the agent (started if none answers); with --stack the demo starts its own agent, with a "
+                        "token, on this port or a free one")
+    p.add_argument("--inject", help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)} "
+                                    "(default nan@150; with --stack grad_spike@200)")
     p.add_argument("--step-sleep", type=float, default=0.02, help="extra seconds per step, to watch it live")
     p.add_argument("--auto-resume", type=float, default=3.0,
                    help="seconds after a pause at which the demo asks the agent to resume (0: wait for you)")
@@ -70,6 +73,11 @@ def _demo_parser(sub: Any) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--eval-every", type=int, default=25, help="steps between validation-loss evaluations")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--stack", action="store_true",
+                   help="also run Prometheus and Alertmanager on 127.0.0.1 with the shipped rules (fast profile), "
+                        "so the real alert loop acts; falls back to the local guards without the binaries")
+    p.add_argument("--prometheus-port", type=int, default=9090, help="with --stack; a busy port is replaced")
+    p.add_argument("--alertmanager-port", type=int, default=9093, help="with --stack; a busy port is replaced")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,10 @@ checkpoint and evidence, and resumes on command.
 
 On CPU there is no CUDA caching allocator, so the demo feeds Patrol a simulated allocator reading
 (``SimulatedAllocator``), said so on start; on a GPU the real allocator is read.
+
+With ``--stack`` the demo also runs Prometheus and Alertmanager on 127.0.0.1 (``trainpatrol.stack``)
+with the shipped rules, so the real loop acts: metric, alert, webhook, pause. The default fault is
+then a gradient spike, which no local guard acts on, so the Prometheus alert is what pauses the run.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import math
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -22,6 +27,22 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .cli import FAULTS
 from .probe.memory import MemoryReading
+
+DEFAULT_INJECT = "nan@150"
+STACK_INJECT = "grad_spike@200"
+FALLBACK_GUARD_ACTIONS = {"nonfinite_loss": "pause", "nonfinite_grad": "pause", "grad_norm_explosion": "pause",
+                          "memory_fragmentation": "empty_cache"}
+"""Without Prometheus, the local guards act on the faults the stack's alerts would have caught."""
+STACK_NOTES = {
+    "grad_spike": "; no local guard acts on it, so the Prometheus alert TrainPatrolGradNormExplosion is what pauses "
+                  "the run.",
+    "fragmentation": "; no local guard acts on it, so the Prometheus alert TrainPatrolMemoryFragmentationHigh is "
+                     "what acts: it empties the allocator cache and the run goes on.",
+    "nan": "; the local NaN guard pauses the run within two steps, before Prometheus can; the "
+           "TrainPatrolNonFiniteLoss alert arrives while it is paused.",
+}
+GRAD_SPIKE_STEPS = 30
+"""A gradient explosion lasts this many steps, then the loss scale returns to normal (a transient burst)."""
 
 
 class SimulatedAllocator:
@@ -64,10 +85,14 @@ def _model(device: torch.device) -> nn.Module:
 
 
 def _data(n: int = 4096, seed: int = 1) -> TensorDataset:
+    """A noisy regression (unit signal, unit noise): the loss falls from about 2 to about 0.9 and the
+    gradient norm stays within 3x of its median. A clean target would make the warm-up itself (loss
+    26 -> 0.01, grad norm 25 -> 1) trip the relative LossSpike and GradNormExplosion rules, whose
+    100-step window maxima still hold the first steps, and the demo would act before its fault."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
     x = torch.randn(n, 32, generator=g)
-    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
+    return TensorDataset(x, x @ w / 32**0.5 + torch.randn(n, 1, generator=g))
 
 
 def _validate(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
@@ -79,26 +104,62 @@ def _validate(model: nn.Module, data: TensorDataset, device: torch.device) -> fl
     return loss
 
 
+def _get(agent_url: str, path: str) -> Any:
+    with urllib.request.urlopen(agent_url + path, timeout=2) as r:
+        return json.loads(r.read())
+
+
 def _run_state(agent_url: str, run: str) -> str:
     try:
-        with urllib.request.urlopen(f"{agent_url}/v1/runs/{run}", timeout=1) as r:
-            return str(json.loads(r.read())["state"])
+        return str(_get(agent_url, f"/v1/runs/{run}")["state"])
     except Exception:
         return "unknown"
 
 
-def _auto_resume(agent_url: str, run: str, after: float, stop: threading.Event) -> None:
+def _describe_pause(agent_url: str, run: str, fault_time: float | None) -> str:
+    """Where, when and why the run paused, from the agent and the pause's evidence bundle."""
+    seen = time.time()  # polled every 0.25 s: at most that late
+    try:
+        status = _get(agent_url, f"/v1/runs/{run}")
+        last = status["last_action"] or {}
+        trigger = json.loads((Path(last["evidence"]) / "trigger.json").read_text())
+    except Exception:
+        return "by an unknown trigger (no evidence bundle found)"
+    after = f", about {seen - fault_time:.1f} s after the fault," if fault_time else ""
+    source = str(trigger.get("source", ""))
+    kind, _, name = source.partition(":")
+    if kind == "alertmanager":
+        by = f"Prometheus alert {name} (Prometheus -> Alertmanager -> agent webhook)"
+    elif kind == "guard":
+        by = f"local guard {name} (in the training process, no Prometheus involved)"
+    else:
+        by = source or "an unknown trigger"
+    return (f"at step {last.get('step')}{after} by {by}; checkpoint: {status.get('last_checkpoint') or 'none'}; "
+            f"evidence: {last['evidence']}")
+
+
+def _auto_resume(agent_url: str, run: str, after: float, stop: threading.Event, token: str = "",
+                 token_file: str = "", fault: dict[str, float] | None = None) -> None:
     """Acts like the operator: once the run is paused, wait, then ask the agent to resume it."""
+    resume = f"trainpatrol resume {run} --agent {agent_url}" + (f" --token-file {token_file}" if token_file else "")
     while not stop.wait(0.25):
         if _run_state(agent_url, run) != "paused":
             continue
-        print(f"[demo] run {run} is paused; inspect it, e.g. `trainpatrol status`. Resuming in {after:g} s "
-              f"as if you ran `trainpatrol resume {run}`.", flush=True)
+        print(f"[demo] run {run} is paused {_describe_pause(agent_url, run, (fault or {}).get('time'))}", flush=True)
+        if after <= 0:
+            print(f"[demo] inspect it (`trainpatrol status --agent {agent_url}`), then run `{resume}`.", flush=True)
+            while not stop.wait(0.25) and _run_state(agent_url, run) == "paused":
+                pass
+            continue
+        print(f"[demo] inspect it, e.g. `trainpatrol status --agent {agent_url}`. Resuming in {after:g} s "
+              f"as if you ran `{resume}`.", flush=True)
         if stop.wait(after):
             return
         body = json.dumps({"action": "resume", "reason": "demo auto-resume"}).encode()
         req = urllib.request.Request(f"{agent_url}/v1/runs/{run}/actions", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(req, timeout=5) as r:
             r.read()
         while not stop.wait(0.25) and _run_state(agent_url, run) == "paused":
@@ -106,12 +167,78 @@ def _auto_resume(agent_url: str, run: str, after: float, stop: threading.Event) 
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if not args.stack:
+        return _train(args, args.inject or DEFAULT_INJECT, args.agent_url)
+    return _run_with_stack(args)
+
+
+def _run_with_stack(args: argparse.Namespace) -> int:
+    from .stack import Binaries, Stack, StackConfig, StackError, alerting_dir
+
+    inject = args.inject or STACK_INJECT
+    binaries, alerting = Binaries.find(), alerting_dir()
+    problem = ""
+    if binaries is None:
+        problem = ("the prometheus and prometheus-alertmanager binaries are not on PATH (Debian: `apt-get install "
+                   "--no-install-recommends prometheus prometheus-alertmanager`, or `make system-deps`)")
+    elif alerting is None:
+        problem = "the shipped rules (alerting/ of a source checkout) are not here"
+    stack = None
+    if binaries is not None and alerting is not None:
+        port = urllib.parse.urlparse(args.agent_url).port or 9400
+        config = StackConfig(workdir=Path(args.workdir), agent_port=port, prometheus_port=args.prometheus_port,
+                             alertmanager_port=args.alertmanager_port)
+        try:
+            stack = Stack(config, binaries, alerting).start()
+        except (StackError, OSError) as exc:
+            problem = f"the stack did not start: {exc}"
+    if stack is None:
+        print(f"[demo] --stack: {problem}. Falling back to the local guards: Patrol acts by itself, without "
+              "Prometheus or Alertmanager.", flush=True)
+        return _train(args, inject, args.agent_url, guard_actions=FALLBACK_GUARD_ACTIONS)
+    with stack:
+        print(f"[demo] --stack: Prometheus    {stack.prometheus_url}  (alerts: {stack.prometheus_url}/alerts)",
+              flush=True)
+        print(f"[demo] --stack: Alertmanager  {stack.alertmanager_url}", flush=True)
+        print(f"[demo] --stack: agent         {stack.agent_url}  (webhook {stack.agent_url}/v1/alertmanager, "
+              f"bearer token in {stack.token_file})", flush=True)
+        print(f"[demo] --stack: rules: the shipped rules rendered with the FAST profile ({stack.rules_file}): the "
+              "same thresholds with short windows and `for: 0s`, scraped and evaluated every 1 s, so you see an "
+              "alert act within seconds. Production uses alerting/rules.yml, whose alerts wait minutes.",
+              flush=True)
+        print(f"[demo] --stack: injecting {inject}{STACK_NOTES.get(inject.partition('@')[0], '.')}", flush=True)
+        rc = _train(args, inject, stack.agent_url, token=stack.token, token_file=str(stack.token_file),
+                    push_interval=0.5)
+        try:
+            _print_alerts(stack.alerts())
+        except OSError as exc:
+            print(f"[demo] --stack: could not read the agent's alerts: {exc}", flush=True)
+        print(f"[demo] --stack: stopping Prometheus, Alertmanager and the agent (configs and logs: {stack.dir}).",
+              flush=True)
+    return rc
+
+
+def _print_alerts(alerts: list[dict[str, Any]]) -> None:
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for a in alerts:
+        seen.setdefault((a["alertname"], a["status"]), a)
+    if not seen:
+        print("[demo] --stack: the agent's webhook received no alert.", flush=True)
+        return
+    for (name, status), a in seen.items():
+        action = f"action {a['action']}" if a["action"] else "no action"
+        print(f"[demo] --stack: alert fired: {name} ({status}, run {a['run'] or '-'}, {action}, "
+              f"agent: {a['outcome']})", flush=True)
+
+
+def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str = "", token_file: str = "",
+           guard_actions: dict[str, str] | None = None, push_interval: float = 1.0) -> int:
     from .probe.config import PatrolConfig
     from .probe.patrol import Patrol
 
-    fault, _, at = args.inject.partition("@")
+    fault, _, at = inject.partition("@")
     if fault not in FAULTS:
-        raise SystemExit(f"`--inject {args.inject}` is not valid. Expected FAULT@STEP with FAULT in {FAULTS}.")
+        raise SystemExit(f"`--inject {inject}` is not valid. Expected FAULT@STEP with FAULT in {FAULTS}.")
     fault_step = int(at or 0)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
@@ -125,15 +252,19 @@ def run_demo(args: argparse.Namespace) -> int:
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     loader = StallingLoader(DataLoader(_data(), batch_size=64, shuffle=True), stall_seconds=0.05)
     held_out = _data(512, seed=2)
-    config = PatrolConfig(run=args.run, agent_url=args.agent_url, checkpoint_dir=str(work / "checkpoints"),
+    config = PatrolConfig(run=args.run, agent_url=agent_url, checkpoint_dir=str(work / "checkpoints"),
                           evidence_dir=str(work / "evidence"), memory_reader=allocator,
-                          memory_interval_seconds=0.2)
+                          memory_interval_seconds=0.2, push_interval_seconds=push_interval,
+                          embedded_agent=not token)
+    if token:
+        config.token = token
+    if guard_actions is not None:
+        config.guard_actions = dict(guard_actions)
     stop = threading.Event()
-    if args.auto_resume > 0:
-        threading.Thread(target=_auto_resume, args=(args.agent_url, args.run, args.auto_resume, stop),
-                         daemon=True).start()
-    print(f"[demo] metrics: {args.agent_url}/metrics   status: trainpatrol status --agent {args.agent_url}",
-          flush=True)
+    fault_at: dict[str, float] = {}  # wall clock of the injection, for the pause message
+    threading.Thread(target=_auto_resume, args=(agent_url, args.run, args.auto_resume, stop, token, token_file,
+                                                fault_at), daemon=True).start()
+    print(f"[demo] metrics: {agent_url}/metrics   status: trainpatrol status --agent {agent_url}", flush=True)
     last_print = 0.0
     with Patrol(model=model, optimizer=opt, scheduler=sched, scaler=scaler, config=config) as patrol:
         while patrol.step_count < args.steps:
@@ -143,9 +274,12 @@ def run_demo(args: argparse.Namespace) -> int:
                     break
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = nn.functional.mse_loss(model(x), y)
+                if step == fault_step and fault != "none":
+                    fault_at["time"] = time.time()
+                    print(f"[demo] step {step}: injecting {fault}", flush=True)
                 if fault == "nan" and step == fault_step:
                     loss = loss * math.nan
-                if fault == "grad_spike" and step >= fault_step:
+                if fault == "grad_spike" and fault_step <= step < fault_step + GRAD_SPIKE_STEPS:
                     loss = loss * 1e4
                 if allocator is not None and fault == "fragmentation" and step == fault_step:
                     allocator.fragmented = True

@@ -200,3 +200,19 @@ def test_user_save_fn_and_extra_state_round_trip(tmp_path: Path) -> None:
     assert patrol.restore(saved[0]) == 4
     assert restored == [extra]
     patrol.close()
+
+
+def test_actions_agreed_at_the_same_step_all_take_effect(tmp_path: Path) -> None:
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "many")
+    train(patrol, model, 2, [])
+    patrol.request("capture", "alert A")
+    patrol.request("empty_cache", "alert B")
+    patrol.request("checkpoint", "alert C")
+    patrol.request("resume", "stray")
+    train(patrol, model, 3, [])
+    got = sorted((a.action, a.outcome, a.step) for a in patrol.actions)
+    assert got == [("capture", "skipped", 2), ("checkpoint", "ok", 2), ("empty_cache", "ok", 2),
+                   ("resume", "skipped", 2)]
+    skipped = next(a for a in patrol.actions if a.action == "capture")
+    assert skipped.detail == "covered by checkpoint at the same step"
+    patrol.close()

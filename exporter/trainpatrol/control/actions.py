@@ -7,8 +7,9 @@ from typing import Literal
 Action = Literal["checkpoint", "pause", "resume", "stop", "empty_cache", "capture"]
 ACTIONS: tuple[Action, ...] = ("checkpoint", "pause", "resume", "stop", "empty_cache", "capture")
 
-# When several actions are pending at the same boundary, the strongest one wins; weaker ones
-# that it implies (a pause also checkpoints and captures) are folded into it.
+# When several actions are agreed at the same boundary, empty_cache runs first (nothing else does
+# its job), then the strongest of the rest; the weaker ones it implies (a stop or pause also
+# checkpoints and captures, a checkpoint also captures) are recorded as skipped, covered by it.
 PRIORITY: dict[str, int] = {"stop": 5, "pause": 4, "checkpoint": 3, "capture": 2, "empty_cache": 1, "resume": 0}
 
 STOP_EXIT_CODE = 86

@@ -41,10 +41,18 @@ class Executor:
         p.mark_done(agreed.commands.values())
         if not commands:
             return
-        primary = max(commands, key=PRIORITY.__getitem__)
-        if primary == "resume":
-            self._record(commands["resume"], "resume", "skipped", agreed.step, "run was not paused")
+        if "resume" in commands:
+            self._record(commands.pop("resume"), "resume", "skipped", agreed.step, "run was not paused")
+        if "empty_cache" in commands and len(commands) > 1:
+            # nothing else releases cached blocks, so it runs too, before the stronger action
+            cid = commands.pop("empty_cache")
+            self._act("empty_cache", cid, agreed, self._trigger(cid, "empty_cache"))
+        if not commands:
             return
+        primary = max(commands, key=PRIORITY.__getitem__)
+        for action, cid in commands.items():
+            if action != primary:  # a checkpoint or capture is part of what the stronger action writes
+                self._record(cid, action, "skipped", agreed.step, f"covered by {primary} at the same step")
         trigger = self._trigger(commands[primary], primary)
         ok = self._act(primary, commands[primary], agreed, trigger)
         if primary == "stop" and ok:
