@@ -67,9 +67,17 @@ class Config:
     nonfinite_grad_ignore_amp_skips: bool = True
     """fp16 GradScaler skips steps with inf gradients by design; those are not an emergency."""
 
+    # Counters read with increase() (non-finite steps, alloc retries, ECC errors).
+    new_series_history: str = "1h"
+    """A counter series with no sample in this long before an increase() window is new: its whole
+    value counts as the increase, because increase() cannot see what a series counted before its
+    first scrape. Looking back this far (not just one window) keeps a scrape gap, e.g. an agent
+    restart, which writes staleness markers, from making an old non-zero counter look new."""
+
     # Gradient norm.
     grad_norm_factor: float = 10.0
-    """Explosion: the window max is above this many times the trailing median."""
+    """Explosion: the window max is above this many times its own trailing median (like with like:
+    a window max against earlier window maxes, never against single steps)."""
     grad_norm_ceiling: float = 1000.0
     """Explosion whatever the history: no healthy model has a global grad norm this large."""
     grad_norm_median_window: str = "30m"
@@ -78,7 +86,7 @@ class Config:
 
     # Training loss.
     loss_spike_factor: float = 3.0
-    """Spike: the window max loss is above this many times the trailing median of the window mean."""
+    """Spike: the window max loss is above this many times its own trailing median."""
     loss_median_window: str = "30m"
     loss_min_samples: int = 10
     loss_stagnation_window: str = "2h"

@@ -14,6 +14,7 @@ from .promql import (
     UUID,
     Alert,
     Group,
+    increased,
     num,
     on_rank,
     on_rank_or_gpu,
@@ -59,7 +60,7 @@ def group(cfg: Config) -> Group:
             f"{WHO} runs at reduced clocks: clock event {{{{ $labels.reason }}}} is active.",
         ),
         Alert(
-            "EccUncorrectable", on_rank_or_gpu(f"increase({ecc}[{cfg.ecc_window}]) > 0"), "critical",
+            "EccUncorrectable", on_rank_or_gpu(increased(cfg, ecc, cfg.ecc_window)), "critical",
             "A GPU had uncorrectable ECC memory errors.",
             f"{WHO} counted {COUNT} uncorrectable ECC error(s) in the last {cfg.ecc_window}. "
             "Results computed on it may be corrupt.",

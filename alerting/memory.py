@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import COUNT, INSTANCE, PERCENT, RANK, RANK_ON, RUN, Alert, Group, num, sel
+from .promql import COUNT, INSTANCE, PERCENT, RANK, RANK_ON, RUN, Alert, Group, increased, num, sel
 from .recording import PEAK_USED_RANK
 
 
@@ -16,9 +16,8 @@ def group(cfg: Config) -> Group:
         f"and on ({RANK_ON})\n"
         f"{s('trainpatrol_cuda_memory_reserved_bytes')} > {num(cfg.fragmentation_min_reserved_bytes)}"
     )
-    retries = (
-        f"increase({s('trainpatrol_cuda_alloc_retries_total')}[{cfg.alloc_retries_window}])"
-        f" > {num(cfg.alloc_retries_threshold)}"
+    retries = increased(
+        cfg, s("trainpatrol_cuda_alloc_retries_total"), cfg.alloc_retries_window, cfg.alloc_retries_threshold
     )
     # The left side wins where both hold (``or`` matches label sets without the metric name), so
     # each rank yields one alert.

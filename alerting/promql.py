@@ -94,6 +94,21 @@ def num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
+def increased(cfg: Config, counter: str, window: str, threshold: float = 0) -> str:
+    """``counter`` rose by more than ``threshold`` within ``window``, or is a new series above it.
+
+    increase() needs two samples, so a counter whose first scraped value is already non-zero (the
+    event came before the first scrape) never shows up in it. The second branch catches that: the
+    series is above the threshold and had no sample in ``cfg.new_series_history`` before the window.
+    Combine the result with ``unless`` or ``*`` only inside parentheses: ``or`` binds loosest.
+    """
+    t = num(threshold)
+    return (
+        f"increase({counter}[{window}]) > {t}\n"
+        f"or\n(\n  {counter} > {t}\n  unless\n  last_over_time({counter}[{cfg.new_series_history}] offset {window})\n)"
+    )
+
+
 def on_rank(gpu_expr: str) -> str:
     """GPU series that a rank uses, with that rank's run, rank and host added."""
     left = f"(\n{indent(gpu_expr)}\n)" if " " in gpu_expr else gpu_expr
@@ -102,7 +117,8 @@ def on_rank(gpu_expr: str) -> str:
 
 def on_rank_or_gpu(gpu_expr: str) -> str:
     """GPU series with run, rank and host where a rank uses the GPU, unchanged where none does."""
-    return f"(\n{indent(on_rank(gpu_expr))}\n)\nor on ({GPU_ON})\n{gpu_expr}"
+    fallback = f"(\n{indent(gpu_expr)}\n)" if "\n" in gpu_expr else gpu_expr
+    return f"(\n{indent(on_rank(gpu_expr))}\n)\nor on ({GPU_ON})\n{fallback}"
 
 
 def indent(text: str, by: str = "  ") -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import COUNT, INSTANCE, RANK, RANK_ON, RUN, RUN_ON, VALUE, Alert, Group, num, sel
+from .promql import COUNT, INSTANCE, RANK, RANK_ON, RUN, RUN_ON, VALUE, Alert, Group, increased, indent, num, sel
 from .recording import LOSS_RUN, STEP_RATE_RUN, VAL_LOSS_RUN
 
 
@@ -12,35 +12,38 @@ def group(cfg: Config) -> Group:
         return sel(cfg, metric, *matchers)
 
     def nonfinite(kind: str) -> str:
-        counter = s("trainpatrol_nonfinite_steps_total", 'kind="' + kind + '"')
-        return f"increase({counter}[{cfg.nonfinite_window}]) > 0"
+        return increased(cfg, s("trainpatrol_nonfinite_steps_total", f'kind="{kind}"'), cfg.nonfinite_window)
 
     grad_expr = nonfinite("grad")
     if cfg.nonfinite_grad_ignore_amp_skips:
-        grad_expr += (
-            f"\nunless on ({RANK_ON})\n"
-            f"increase({s('trainpatrol_amp_skipped_steps_total')}[{cfg.nonfinite_window}]) > 0"
+        amp_skips = increased(cfg, s("trainpatrol_amp_skipped_steps_total"), cfg.nonfinite_window)
+        grad_expr = f"(\n{indent(grad_expr)}\n)\nunless on ({RANK_ON})\n(\n{indent(amp_skips)}\n)"
+
+    # Like with like: the window max (the largest value of the Patrol's last N steps) is compared
+    # with its own trailing median, never with single steps or window means. Early in training the
+    # window max still holds the first, high steps while later steps are far lower; against itself
+    # it is flat then falls, so only a new maximum well above the usual one fires.
+    def window_max_test(metric: str, factor: float, window: str, min_samples: int) -> str:
+        m = s(metric)
+        return (
+            f"{m}\n"
+            f"> on ({RANK_ON})\n  {num(factor)} * quantile_over_time(0.5, {m}[{window}])\n"
+            f"and on ({RANK_ON})\n  count_over_time({m}[{window}]) >= {min_samples}"
         )
 
     gw = cfg.grad_norm_median_window
+    grad_relative = window_max_test(
+        "trainpatrol_grad_norm_window_max", cfg.grad_norm_factor, gw, cfg.grad_norm_min_samples
+    )
     grad_norm_expr = (
-        "(\n"
-        f"  {s('trainpatrol_grad_norm_window_max')}\n"
-        f"  > on ({RANK_ON})\n"
-        f"    {num(cfg.grad_norm_factor)} * quantile_over_time(0.5, {s('trainpatrol_grad_norm')}[{gw}])\n"
-        f"  and on ({RANK_ON})\n"
-        f"    count_over_time({s('trainpatrol_grad_norm')}[{gw}]) >= {cfg.grad_norm_min_samples}\n"
-        ")\n"
+        f"(\n{indent(grad_relative)}\n)\n"
         f"or\n{s('trainpatrol_grad_norm_window_max')} > {num(cfg.grad_norm_ceiling)}"
     )
 
     lw = cfg.loss_median_window
-    loss_median = f"quantile_over_time(0.5, {s('trainpatrol_loss_window_mean')}[{lw}])"
     loss_spike_expr = (
-        f"{s('trainpatrol_loss_window_max')}\n"
-        f"> on ({RANK_ON})\n  {num(cfg.loss_spike_factor)} * {loss_median}\n"
-        f"and on ({RANK_ON})\n  count_over_time({s('trainpatrol_loss_window_mean')}[{lw}]) >= {cfg.loss_min_samples}\n"
-        f"and on ({RANK_ON})\n  {loss_median} > 0"
+        window_max_test("trainpatrol_loss_window_max", cfg.loss_spike_factor, lw, cfg.loss_min_samples)
+        + f"\nand on ({RANK_ON})\n  quantile_over_time(0.5, {s('trainpatrol_loss_window_max')}[{lw}]) > 0"
     )
 
     stagnation_expr = (
@@ -79,16 +82,16 @@ def group(cfg: Config) -> Group:
         Alert(
             "GradNormExplosion", grad_norm_expr, "critical",
             "The gradient norm exploded.",
-            f"{who}: the global gradient norm reached {VALUE}, more than {num(cfg.grad_norm_factor)}x its "
-            f"median over the last {gw} or above the ceiling of {num(cfg.grad_norm_ceiling)}. "
+            f"{who}: the window-max global gradient norm reached {VALUE}, more than {num(cfg.grad_norm_factor)}x "
+            f"its own median over the last {gw}, or above the ceiling of {num(cfg.grad_norm_ceiling)}. "
             "trainpatrol pauses the run before the weights diverge.",
             action="pause",
         ),
         Alert(
             "LossSpike", loss_spike_expr, "warning",
             "The training loss spiked.",
-            f"{who}: the training loss reached {VALUE}, more than {num(cfg.loss_spike_factor)}x its median "
-            f"over the last {lw}. trainpatrol captures evidence (history, stacks, allocator state).",
+            f"{who}: the window-max training loss reached {VALUE}, more than {num(cfg.loss_spike_factor)}x "
+            f"its own median over the last {lw}. trainpatrol captures evidence (history, stacks, allocator state).",
             action="capture",
         ),
         Alert(

@@ -262,6 +262,55 @@ def test_fast_profile_fires_within_seconds_at_1s_intervals(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _window_stats(values: list[float], window: int = 100) -> tuple[list[float], list[float]]:
+    """The Patrol's window max and mean after each step."""
+    recent = [values[max(0, i - window + 1): i + 1] for i in range(len(values))]
+    return [max(r) for r in recent], [sum(r) / len(r) for r in recent]
+
+
+@needs_promtool
+def test_fast_profile_stays_silent_on_early_training_and_fires_on_a_later_spike(tmp_path: Path) -> None:
+    """The end-to-end run that fired LossSpike and GradNormExplosion with no fault, replayed at 1 s.
+
+    Ten steps per scrape; over the first 100 steps the loss falls 26 -> 0.01 and the grad norm 25 -> 1,
+    so for 10 s both window maxima still hold step 1 while later steps are far lower. At 40 s one step
+    has loss 0.5 and grad norm 50: a real spike, which must fire at once.
+    """
+    (tmp_path / "fast.yml").write_text(_generate("--profile", "fast").stdout)
+    steps_per_scrape, scrapes, spike = 10, 50, 400
+    loss = [26 * (0.01 / 26) ** (min(i, 99) / 99) for i in range(steps_per_scrape * scrapes)]
+    grad = [1 + 24 * 0.7**i for i in range(len(loss))]
+    loss[spike], grad[spike] = 0.5, 50.0
+    loss_max, loss_mean = _window_stats(loss)
+    grad_max, _ = _window_stats(grad)
+
+    def scraped(values: list[float]) -> str:
+        return " ".join(f"{values[(i + 1) * steps_per_scrape - 1]:.4g}" for i in range(scrapes))
+
+    rank = 'job="trainpatrol",instance="127.0.0.1:9400",run="e2e",rank="0"'
+    series = {
+        f"trainpatrol_loss_window_max{{{rank}}}": scraped(loss_max),
+        f"trainpatrol_loss_window_mean{{{rank}}}": scraped(loss_mean),
+        f"trainpatrol_grad_norm{{{rank}}}": scraped(grad),
+        f"trainpatrol_grad_norm_window_max{{{rank}}}": scraped(grad_max),
+    }
+    inputs = "\n".join(f"      - series: '{s}'\n        values: '{v}'" for s, v in series.items())
+    alerts = 'ALERTS{alertname=~"TrainPatrol(LossSpike|GradNormExplosion)"}'
+    fired = "\n".join(
+        f"          - labels: '{{alertname=\"TrainPatrol{n}\",alertstate=\"firing\",{rank},severity=\"{sev}\","
+        f"action=\"{act}\"}}'\n            value: 1"
+        for n, sev, act in (("LossSpike", "warning", "capture"), ("GradNormExplosion", "critical", "pause"))
+    )
+    (tmp_path / "early.test.yml").write_text(
+        "rule_files: [fast.yml]\nevaluation_interval: 1s\ntests:\n  - interval: 1s\n    input_series:\n"
+        f"{inputs}\n    promql_expr_test:\n"
+        f"      - expr: max_over_time({alerts}[39s])\n        eval_time: 39s\n        exp_samples: []\n"
+        f"      - expr: max_over_time({alerts}[3s])\n        eval_time: 42s\n        exp_samples:\n{fired}\n"
+    )
+    result = _run(str(PROMTOOL), "test", "rules", "early.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_config_errors_quote_key_and_value() -> None:
     sys.path.insert(0, str(ROOT))
     try:
