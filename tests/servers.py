@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from trainpatrol._process import terminate
+
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 PROMTOOL = shutil.which("promtool")
@@ -68,13 +70,7 @@ def process(args: list[str], log: Path, env: dict[str, str] | None = None) -> It
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        terminate(proc)
 
 
 def python_env(**extra: str) -> dict[str, str]:

@@ -26,6 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ._process import terminate
+
 PROMETHEUS_PORT = 9090
 ALERTMANAGER_PORT = 9093
 AGENT_PORT = 9400
@@ -243,13 +245,7 @@ class Stack:
         """Stop in reverse order (Prometheus first, the agent last) and remove the private directory."""
         while self._procs:
             _, proc = self._procs.pop()
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            terminate(proc)
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
             self._private = None

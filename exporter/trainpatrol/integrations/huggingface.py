@@ -31,7 +31,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..control.actions import STOP_EXIT_CODE
 from ..probe.config import PatrolConfig
 from ..probe.patrol import Patrol
-from ..protocol import ActionRecord
+from ._common import check_accum, new_actions
 
 log = logging.getLogger("trainpatrol")
 
@@ -51,10 +51,10 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             if config:
                 raise TypeError(f"`TrainPatrolCallback(patrol, {', '.join(config)}=...)`: keywords configure a "
                                 "Patrol the callback builds; pass a PatrolConfig instead of a Patrol.")
-            _check_accum(patrol.config)
+            check_accum(patrol.config, "the Trainer")
             self._config: PatrolConfig | None = None
         else:
-            self._config = _check_accum(replace(patrol or PatrolConfig(), **config).validate())
+            self._config = check_accum(replace(patrol or PatrolConfig(), **config).validate(), "the Trainer")
         self.patrol: Patrol | None = patrol if isinstance(patrol, Patrol) else None
         self._owned = self.patrol is None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
@@ -216,7 +216,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             self._stopping = True
             control.should_save = True
             control.should_training_stop = True
-        for rec in _new_actions(self.patrol, before):
+        for rec in new_actions(self.patrol, before):
             if rec.action == "checkpoint" and rec.outcome == "ok":
                 control.should_save = True
 
@@ -226,19 +226,3 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             self._hook = None
         if self._owned and self.patrol is not None:
             self.patrol.close()
-
-
-def _check_accum(cfg: PatrolConfig) -> PatrolConfig:
-    if cfg.grad_accum_steps != 1:
-        raise ValueError(f"`PatrolConfig(grad_accum_steps={cfg.grad_accum_steps!r})`: the callback steps the Patrol "
-                         "once per optimizer step and reads the Trainer's accumulation itself; leave it at 1.")
-    return cfg
-
-
-def _new_actions(patrol: Patrol, before: ActionRecord | None) -> list[ActionRecord]:
-    new: list[ActionRecord] = []
-    for rec in reversed(patrol.actions):
-        if rec is before:
-            break
-        new.append(rec)
-    return new[::-1]

@@ -38,7 +38,7 @@ from ..control.actions import STOP_EXIT_CODE
 from ..probe import device_values as dv
 from ..probe.config import PatrolConfig
 from ..probe.patrol import Patrol
-from ..protocol import ActionRecord
+from ._common import check_accum, new_actions
 
 log = logging.getLogger("trainpatrol")
 
@@ -58,10 +58,10 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
             if config:
                 raise TypeError(f"`TrainPatrolCallback(patrol, {', '.join(config)}=...)`: keywords configure a "
                                 "Patrol the callback builds; pass a PatrolConfig instead of a Patrol.")
-            _check_accum(patrol.config)
+            check_accum(patrol.config, "Lightning")
             self._config: PatrolConfig | None = None
         else:
-            self._config = _check_accum(replace(patrol or PatrolConfig(), **config).validate())
+            self._config = check_accum(replace(patrol or PatrolConfig(), **config).validate(), "Lightning")
         self.patrol: Patrol | None = patrol if isinstance(patrol, Patrol) else None
         self.val_loss_key = val_loss_key
         self.last_trainer_checkpoint = ""
@@ -180,7 +180,7 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
                 raise
             self._save(trainer, "stop")
             raise
-        for rec in _new_actions(patrol, before):
+        for rec in new_actions(patrol, before):
             if rec.action == "checkpoint" and rec.outcome == "ok":
                 self._save(trainer, "checkpoint")
 
@@ -213,19 +213,3 @@ def _batch_size(batch: Any) -> tuple[int, int]:
     if isinstance(batch, list | tuple):
         batch = next((b for b in batch if isinstance(b, torch.Tensor)), None)
     return (batch.shape[0], 0) if isinstance(batch, torch.Tensor) and batch.dim() >= 1 else (0, 0)
-
-
-def _check_accum(cfg: PatrolConfig) -> PatrolConfig:
-    if cfg.grad_accum_steps != 1:
-        raise ValueError(f"`PatrolConfig(grad_accum_steps={cfg.grad_accum_steps!r})`: the callback steps the Patrol "
-                         "once per optimizer step and reads Lightning's accumulation itself; leave it at 1.")
-    return cfg
-
-
-def _new_actions(patrol: Patrol, before: ActionRecord | None) -> list[ActionRecord]:
-    new: list[ActionRecord] = []
-    for rec in reversed(patrol.actions):
-        if rec is before:
-            break
-        new.append(rec)
-    return new[::-1]

@@ -10,6 +10,8 @@ import tempfile
 import urllib.parse
 import urllib.request
 
+from .._process import terminate
+
 log = logging.getLogger("trainpatrol")
 
 
@@ -39,10 +41,4 @@ def start_embedded_agent(url: str, extra_args: list[str] | None = None) -> subpr
 
 
 def stop_embedded_agent(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    terminate(proc, timeout=5)
