@@ -17,7 +17,10 @@ from fastapi import Body, FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from pydantic import BaseModel, Field
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from ..collectors.agent_self import AgentStats
@@ -27,10 +30,61 @@ from ..protocol import RUN_PATTERN, ActionRequest, Command, PushReply, RankSnaps
 from .alerts import Deduper, WebhookPayload, classify, to_command
 from .auth import require_control, require_push
 from .config import AgentConfig
+from .exposition import exposition
 from .router import FORWARDED_HEADER, Router
 from .store import RankStore
 
 log = logging.getLogger(__name__)
+
+
+class Problem(BaseModel):
+    """Every error answer: ``detail`` names the offending value; a 422 also lists each validation error."""
+
+    detail: str
+    errors: list[dict[str, Any]] = Field(default_factory=list)
+
+
+_PROBLEMS = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or wrong",
+             403: "Action not in the allow-list", 404: "Unknown run", 413: "Request body too large",
+             422: "Malformed request"}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for error answers, documented as they are sent (not FastAPI's default 422)."""
+    return {code: {"model": Problem, "description": _PROBLEMS[code]} for code in codes}
+
+
+class BodyLimit:
+    """413 for a request body over ``limit`` bytes: by its Content-Length, or as a chunked body streams in.
+
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` cost more CPU than a push itself.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _detail(self, length: str) -> str:
+        return f"Request body of {length} bytes is over the limit of {self.limit} bytes."
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "0")
+        if not length.isdigit() or int(length) > self.limit:
+            await JSONResponse({"detail": self._detail(length)}, status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI re-raises an HTTPException from the body read as it is
+                raise HTTPException(413, self._detail(f"more than {self.limit}"))
+            return message
+
+        await self.app(scope, bounded, send)
 
 
 class Agent:
@@ -43,7 +97,8 @@ class Agent:
                                config.closed_expire_seconds, clock)
         self.stats = AgentStats(config.mode)
         self.nvml = nvml
-        collectors: dict[str, Collects] = {"ranks": RankCollector(self.store), "agent": self.stats}
+        self.ranks = RankCollector(self.store)
+        collectors: dict[str, Collects] = {"ranks": self.ranks, "agent": self.stats}
         if nvml is not None:
             collectors["nvml"] = nvml
         self.registry = CollectorRegistry(auto_describe=False)
@@ -77,40 +132,39 @@ class Agent:
             message = f"Invalid request: {where}: {first.get('msg', 'malformed')}"
             return JSONResponse({"detail": message, "errors": jsonable_encoder(errors)}, status_code=422)
 
-        @app.middleware("http")
-        async def limit_body(request: Request, call_next: Callable[[Request], Any]) -> Any:
-            length = request.headers.get("content-length", "0")
-            if not length.isdigit() or int(length) > cfg.max_push_bytes:
-                return JSONResponse({"detail": f"Request body of {length} bytes is over the limit of "
-                                               f"{cfg.max_push_bytes} bytes."}, status_code=413)
-            return await call_next(request)
+        app.add_middleware(BodyLimit, limit=cfg.max_push_bytes)
 
+        # /healthz, /metrics and /v1/push are the hot paths (a scrape several times a second, a push
+        # per rank per second) and do brief, non-blocking work: they run on the event loop rather
+        # than paying for a thread-pool hand-off on every request
         @app.get("/healthz", summary="Liveness and readiness")
-        def healthz() -> dict[str, Any]:
+        async def healthz() -> dict[str, Any]:
             return {"status": "ok", "mode": cfg.mode, "version": __version__}
 
         @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs",
                  response_class=Response)
-        def metrics() -> Response:
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        async def metrics() -> Response:
+            return Response(exposition(self.registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/v1/push", response_model=PushReply, summary="One rank's snapshot",
-                  responses={401: {"description": "Token required"}, 413: {"description": "Too large"}})
-        def push(request: Request, snapshot: RankSnapshot) -> PushReply:
+                  responses=_errors(400, 401, 413, 422))
+        async def push(request: Request, snapshot: RankSnapshot) -> PushReply:
             try:
                 require_push(request, cfg.token)
             except HTTPException:
                 self.stats.count("pushes", "unauthorized")
                 raise
             self.stats.count("pushes", "ok")
-            return PushReply(commands=self.store.push(snapshot))
+            commands = self.store.push(snapshot)
+            self.ranks.prepare(snapshot)
+            return PushReply(commands=commands)
 
         @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action")
         def runs() -> dict[str, Any]:
             return {"runs": list(self.store.runs().values())}
 
         @app.get("/v1/runs/{run}", summary="One run's state, ranks, last action and checkpoint",
-                 responses={404: {"description": "Unknown run"}})
+                 responses=_errors(404, 422))
         def run_status(run: str) -> dict[str, Any]:
             status = self.store.runs().get(run)
             if status is None:
@@ -118,8 +172,7 @@ class Agent:
             return status
 
         @app.post("/v1/runs/{run}/actions", status_code=202, summary="Ask every rank of a run to act",
-                  responses={401: {"description": "Token required"}, 403: {"description": "Not allowed"},
-                             422: {"description": "Malformed request"}})
+                  responses=_errors(400, 401, 403, 413, 422))
         def act(request: Request, run: str, body: ActionRequest) -> dict[str, Any]:
             require_control(request, cfg.token)
             import re
@@ -136,8 +189,7 @@ class Agent:
                     "hosted": self.store.hosts_run(run)}
 
         @app.post("/v1/alertmanager", status_code=202, summary="Alertmanager webhook (payload version 4)",
-                  responses={401: {"description": "Token required"}, 403: {"description": "Action refused"},
-                             422: {"description": "Malformed payload"}})
+                  responses=_errors(400, 401, 403, 413, 422))
         def webhook(request: Request, payload: WebhookPayload = Body(...)) -> JSONResponse:  # noqa: B008
             require_control(request, cfg.token)
             forwarded = request.headers.get(FORWARDED_HEADER) == "1"

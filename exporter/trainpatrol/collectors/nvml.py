@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from ..agent.exposition import RenderedFamily, render
 from . import _nvml_sample as ns
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class NvmlCollector:
         self._sample: dict[str, Any] | None = None
         self._error = "NVML has not been sampled yet"
         self._xids: dict[ns.Labels, tuple[int, float]] = {}
+        self._rendered: tuple[dict[str, Any], dict[ns.Labels, tuple[int, float]], list[RenderedFamily]] | None = None
         self._gpus: list[Gpu] | None = None  # set while NVML is initialised for the sampler
         self._generation = 0  # bumped on every (re-)initialisation, so the event thread re-registers
         self._driver_version = ""
@@ -120,7 +122,11 @@ class NvmlCollector:
         if age > self.stale_after_seconds:
             limit = self.stale_after_seconds
             raise NvmlUnavailable(f"the last NVML sample is {age:.1f} s old (limit {limit:g} s)")
-        yield from ns.families(sample["gpus"], xids)
+        cached = self._rendered
+        if cached is None or cached[0] is not sample or cached[1] != xids:
+            # formatted once per sample, not once per scrape (see agent.exposition)
+            cached = self._rendered = (sample, xids, render(ns.families(sample["gpus"], xids)))
+        yield from cached[2]
 
     def snapshot(self) -> dict[str, Any]:
         """The last sample, the current error and the XID counts, as JSON-able data."""
