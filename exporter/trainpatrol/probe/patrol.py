@@ -159,7 +159,10 @@ class Patrol:
         if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: False)():
             scale = getattr(self.scaler, "_scale", None)
         t.steps += 1
-        self._values.record(mean_loss, grad_norm, scale)
+        # a host tensor is read for free, so on CPU the values skip the device ring entirely
+        on_host = mean_loss.device.type == "cpu" and self.device.type == "cpu"
+        if not on_host:
+            self._values.record(mean_loss, grad_norm, scale)
         now = time.perf_counter()
         rec = self.history.record(t.steps, time.time())
         rec.step_seconds = now - self._last_step_end
@@ -175,7 +178,10 @@ class Patrol:
         if self._memory_reader is not None and now - self._last_memory >= self.config.memory_interval_seconds:
             self._last_memory = now
             self._read_memory(rec.step)
-        if self._values.filled >= self._flush_every:
+        if on_host:
+            gn = dv.ABSENT if grad_norm is None else float(grad_norm)
+            self._absorb_rows([(t.steps, float(mean_loss), gn, 1.0 if scale is None else float(scale))])
+        elif self._values.filled >= self._flush_every:
             self._flush()
         self._absorb(self._readback.poll())
         rec.probe_seconds = self._probe_since_step + (time.perf_counter() - start)
@@ -210,19 +216,22 @@ class Patrol:
     def _absorb(self, values: list[tuple[tuple[int, int], list[float]]]) -> None:
         """Fold read-back device values (late by a step or a few) into history, totals and guards."""
         for (first, rows), v in values:
-            for step, loss, raw_gn, scale in dv.unpack(first, rows, v):
-                gn = None if raw_gn == dv.ABSENT else raw_gn
-                self.totals.nonfinite_loss += not math.isfinite(loss)
-                self.totals.nonfinite_grad += gn is not None and not math.isfinite(gn)
-                self._trip(self.guards.check_step(step, loss, gn, self.history))
-                rec = self.history.get(step)
-                if rec is not None:
-                    rec.loss, rec.grad_norm = loss, math.nan if gn is None else gn
-                self.latest.loss, self.latest.grad_norm = loss, math.nan if gn is None else gn
-                if self.scaler is not None:
-                    if scale < self._last_scale:
-                        self.totals.amp_skipped += 1
-                    self._last_scale = self.latest.loss_scale = scale
+            self._absorb_rows(dv.unpack(first, rows, v))
+
+    def _absorb_rows(self, rows: list[tuple[int, float, float, float]]) -> None:
+        for step, loss, raw_gn, scale in rows:
+            gn = None if raw_gn == dv.ABSENT else raw_gn
+            self.totals.nonfinite_loss += not math.isfinite(loss)
+            self.totals.nonfinite_grad += gn is not None and not math.isfinite(gn)
+            self._trip(self.guards.check_step(step, loss, gn, self.history))
+            rec = self.history.get(step)
+            if rec is not None:
+                rec.loss, rec.grad_norm = loss, math.nan if gn is None else gn
+            self.latest.loss, self.latest.grad_norm = loss, math.nan if gn is None else gn
+            if self.scaler is not None:
+                if scale < self._last_scale:
+                    self.totals.amp_skipped += 1
+                self._last_scale = self.latest.loss_scale = scale
 
     def _trip(self, tripped: list[tuple[str, str]]) -> None:
         for guard, detail in tripped:
