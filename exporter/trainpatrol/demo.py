@@ -109,6 +109,26 @@ def _get(agent_url: str, path: str) -> Any:
         return json.loads(r.read())
 
 
+MISSION = ("loss", "grad_norm", "cuda_memory_fragmentation_ratio", "cuda_alloc_retries_total", "loader_wait_ratio",
+           "step_total", "step_duration_seconds_count", "nonfinite_steps_total", "samples_total", "paused",
+           "probe_overhead_ratio")
+
+
+def _print_mission_metrics(agent_url: str, run: str) -> None:
+    """What a newcomer should look at on /metrics, as the agent serves it now."""
+    try:
+        with urllib.request.urlopen(agent_url + "/metrics", timeout=2) as r:
+            lines = r.read().decode().splitlines()
+    except OSError as exc:
+        print(f"[demo] could not read {agent_url}/metrics: {exc}", flush=True)
+        return
+    print(f"[demo] the mission metrics on {agent_url}/metrics:", flush=True)
+    for line in lines:
+        name = line.split("{", 1)[0]
+        if name.removeprefix("trainpatrol_") in MISSION and f'run="{run}"' in line:
+            print(f"[demo]   {line}", flush=True)
+
+
 def _run_state(agent_url: str, run: str) -> str:
     try:
         return str(_get(agent_url, f"/v1/runs/{run}")["state"])
@@ -305,6 +325,8 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
                     lt = patrol.latest
                     print(f"[demo] step {step:5d}  loss {lt.loss:9.4f}  grad_norm {lt.grad_norm:9.3f}  "
                           f"state {patrol.state}", flush=True)
+        patrol.publisher.push_now()
+        _print_mission_metrics(agent_url, args.run)
     stop.set()
     print(f"[demo] done: {patrol.step_count} steps. Evidence: {patrol.last_evidence or 'none'}; "
           f"last checkpoint: {patrol.last_checkpoint or 'none'}", flush=True)
