@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from framework_helpers import exposed, patrol_config
 
-from servers import agent, http_get, http_json, wait_for
-from trainpatrol import STOP_EXIT_CODE, PatrolConfig
+from servers import http_json, wait_for
+from trainpatrol import STOP_EXIT_CODE
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,25 +46,6 @@ def make_trainer(out: Path, callbacks: list[Any], max_steps: int, **args: Any) -
         "seed": 0, "dataloader_num_workers": 0, **args}
     targs = transformers.TrainingArguments(output_dir=str(out), max_steps=max_steps, **settings)
     return transformers.Trainer(model=tiny_gpt2(), args=targs, train_dataset=RandomTokens(), callbacks=callbacks)
-
-
-def patrol_config(tmp: Path, url: str, run: str) -> PatrolConfig:
-    return PatrolConfig(run=run, agent_url=url, embedded_agent=False, push_interval_seconds=0.1,
-                        checkpoint_dir=str(tmp / "patrol-ckpt"), evidence_dir=str(tmp / "evidence"))
-
-
-def exposed(url: str, name: str, run: str, extra: str = "") -> float:
-    prefix = f'{name}{{{extra}rank="0",run="{run}"}} '
-    for line in http_get(url + "/metrics").decode().splitlines():
-        if line.startswith(prefix):
-            return float(line[len(prefix):])
-    raise AssertionError(f"{prefix!r} not exposed")
-
-
-@pytest.fixture(scope="module")
-def agent_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with agent(tmp_path_factory.mktemp("agent"), "--no-nvml") as url:
-        yield url
 
 
 class When(transformers.TrainerCallback):  # type: ignore[misc]

@@ -6,14 +6,14 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from framework_helpers import exposed, patrol_config
 
-from servers import agent, free_port, http_get, http_json, python_env, wait_for
-from trainpatrol import STOP_EXIT_CODE, PatrolConfig
+from servers import free_port, http_json, python_env, wait_for
+from trainpatrol import STOP_EXIT_CODE
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -22,25 +22,6 @@ from lightning_tiny import RequestAt, Tiny, data, trainer  # noqa: E402
 from trainpatrol.integrations.lightning import TrainPatrolCallback  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def patrol_config(tmp: Path, url: str, run: str) -> PatrolConfig:
-    return PatrolConfig(run=run, agent_url=url, embedded_agent=False, push_interval_seconds=0.1,
-                        checkpoint_dir=str(tmp / "patrol-ckpt"), evidence_dir=str(tmp / "evidence"))
-
-
-def exposed(url: str, name: str, run: str, extra: str = "", rank: int = 0) -> float:
-    prefix = f'{name}{{{extra}rank="{rank}",run="{run}"}} '
-    for line in http_get(url + "/metrics").decode().splitlines():
-        if line.startswith(prefix):
-            return float(line[len(prefix):])
-    raise AssertionError(f"{prefix!r} not exposed")
-
-
-@pytest.fixture(scope="module")
-def agent_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with agent(tmp_path_factory.mktemp("agent"), "--no-nvml") as url:
-        yield url
 
 
 @pytest.mark.parametrize("accum", [1, 2])
