@@ -236,3 +236,15 @@ def test_expired_rank_drops_out_of_the_render_cache(state: str) -> None:
     clock.now = T0 + EXPIRE + 1
     assert not next(f for f in collector.collect() if f.name == "trainpatrol_step").samples
     assert collector._rendered == {}
+
+
+def test_a_run_whose_ranks_all_stopped_pushing_is_down() -> None:
+    clock = Clock(T0)
+    store, _ = store_and_registry(clock)
+    store.push(snap("gone", 0, step=3))
+    store.push(snap("gone", 1, step=3))
+    assert store.runs()["gone"]["state"] == "running"
+    clock.now = T0 + UP_TTL + 1
+    status = store.runs()["gone"]
+    assert status["state"] == "down"
+    assert [(r["rank"], r["state"], r["up"]) for r in status["ranks"]] == [(0, "down", False), (1, "down", False)]

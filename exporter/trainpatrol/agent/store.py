@@ -147,7 +147,7 @@ def _run_state(states: list[str]) -> str:
     if not states:
         return "unknown"
     s = set(states)
-    for state in ("stopped", "closed", "paused"):
+    for state in ("stopped", "closed", "paused", "down"):
         if s == {state}:
             return state
     if "stopping" in s or "stopped" in s:
