@@ -248,3 +248,16 @@ def test_a_run_whose_ranks_all_stopped_pushing_is_down() -> None:
     status = store.runs()["gone"]
     assert status["state"] == "down"
     assert [(r["rank"], r["state"], r["up"]) for r in status["ranks"]] == [(0, "down", False), (1, "down", False)]
+
+
+def test_command_queues_expire_with_their_ttl() -> None:
+    from trainpatrol.agent.store import COMMAND_TTL_SECONDS
+    from trainpatrol.protocol import Command
+
+    clock = Clock(T0)
+    store, _ = store_and_registry(clock)
+    assert store.enqueue(Command(id=5, run="never-started", action="pause", created=T0))
+    assert [c.id for c in store.pending("never-started")] == [5]
+    clock.now = T0 + COMMAND_TTL_SECONDS + 1
+    store.expire()
+    assert store.pending("never-started") == []

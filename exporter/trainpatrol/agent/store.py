@@ -83,6 +83,12 @@ class RankStore:
                 age = now - e.last_push
                 if age > self.expire_after or (e.snapshot.state == "closed" and age > self.closed_expire_after):
                     del self._ranks[key]
+            for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
+                kept = [c for c in queue if now - c.created < COMMAND_TTL_SECONDS]
+                if kept:
+                    self._commands[run] = kept
+                else:
+                    del self._commands[run]
 
     def entries(self) -> list[RankEntry]:
         self.expire()
