@@ -83,6 +83,7 @@ def push_ranks(port: int, template: dict[str, Any], ranks: int, stop: Any, count
                 s["labels"]["local_rank"] = str(rank % 8)
         seq, step = 0, int(snap["step"])
         next_at = time.monotonic() + random.random()
+        conn: http.client.HTTPConnection | None = None  # kept alive between pushes, as Patrol does
         while not stop.is_set():
             time.sleep(max(0.0, next_at - time.monotonic()))
             next_at += 1.0
@@ -90,12 +91,16 @@ def push_ranks(port: int, template: dict[str, Any], ranks: int, stop: Any, count
             snap.update(seq=seq, step=step, time=time.time())
             body = json.dumps(snap).encode()
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+                conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
                 conn.request("POST", "/v1/push", body=body, headers={"Content-Type": "application/json"})
-                ok = conn.getresponse().status == 200
-                conn.close()
-            except OSError:
+                resp = conn.getresponse()
+                resp.read()
+                ok = resp.status == 200
+            except (OSError, http.client.HTTPException):
                 ok = False
+                if conn is not None:
+                    conn.close()
+                conn = None
             with counts.get_lock():
                 counts[0 if ok else 1] += 1
 

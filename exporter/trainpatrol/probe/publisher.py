@@ -35,6 +35,8 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self.dropped = 0
         self.delivered = 0
+        self._conn: http.client.HTTPConnection | None = None
+        self._conn_lock = threading.Lock()
         self._failing = False
 
     def start(self) -> None:
@@ -60,6 +62,10 @@ class Publisher:
             self._thread.join(timeout=self._timeout * 2 + 1)
         if final_push:
             self.push_now()
+        with self._conn_lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     def _loop(self) -> None:
         backoff = self.interval
@@ -80,13 +86,18 @@ class Publisher:
         headers = {"Content-Type": "application/json"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
-        try:
-            conn.request("POST", "/v1/push", body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        finally:
-            conn.close()
+        with self._conn_lock:
+            # one kept-alive connection: a new TCP connection per push costs the agent more than the push
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            try:
+                self._conn.request("POST", "/v1/push", body=body, headers=headers)
+                resp = self._conn.getresponse()
+                data = resp.read()
+            except (OSError, http.client.HTTPException):
+                self._conn.close()
+                self._conn = None
+                raise
         if resp.status != 200:
             raise RuntimeError(f"agent answered {resp.status}: {data[:300]!r}")
         if self._failing:
