@@ -81,14 +81,22 @@ def python_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
+def serving(cmd: list[str], log: Path, port: int, ready_path: str, timeout: float,
+            env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start ``cmd``, wait until ``ready_path`` answers on ``port`` (or the process dies); yield the URL."""
+    with process(cmd, log, env=env) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: proc.poll() is not None or http_get(url + ready_path), timeout, what=f"{cmd[0]} ready")
+        assert proc.poll() is None, log.read_text()
+        yield url
+
+
+@contextmanager
 def agent(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Iterator[str]:
     """A real ``trainpatrol agent`` process; yields its base URL."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port), *args]
-    with process(cmd, tmp / f"agent-{port}.log", env=env or python_env()) as proc:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: proc.poll() is not None or http_get(url + "/healthz"), 20, what="agent /healthz")
-        assert proc.poll() is None, (tmp / f"agent-{port}.log").read_text()
+    with serving(cmd, tmp / f"agent-{port}.log", port, "/healthz", 20, env=env or python_env()) as url:
         yield url
 
 
@@ -109,10 +117,7 @@ def prometheus(tmp: Path, targets: list[str], rule_files: list[Path] = (),  # ty
     (tmp / "prometheus.yml").write_text(json.dumps(cfg))
     cmd = [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
            f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", "--log.level=warn"]
-    with process(cmd, tmp / "prometheus.log") as proc:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: proc.poll() is not None or http_get(url + "/-/ready"), 30, what="prometheus ready")
-        assert proc.poll() is None, (tmp / "prometheus.log").read_text()
+    with serving(cmd, tmp / "prometheus.log", port, "/-/ready", 30) as url:
         yield url
 
 
@@ -124,10 +129,7 @@ def alertmanager(tmp: Path, config_yaml: str) -> Iterator[str]:
     (tmp / "alertmanager.yml").write_text(config_yaml)
     cmd = [ALERTMANAGER, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am'}",
            f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"]
-    with process(cmd, tmp / "alertmanager.log") as proc:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: proc.poll() is not None or http_get(url + "/-/ready"), 30, what="alertmanager ready")
-        assert proc.poll() is None, (tmp / "alertmanager.log").read_text()
+    with serving(cmd, tmp / "alertmanager.log", port, "/-/ready", 30) as url:
         yield url
 
 

@@ -55,7 +55,7 @@ class Coordinator:
         self._result = torch.zeros(WIDTH, dtype=torch.int64, pin_memory=self._cuda)
         self._event: torch.cuda.Event | None = None
         self._work: dist.Work | None = None
-        self._in_flight_step = -1
+        self._last_word: list[int] = []
 
     def due(self, step: int) -> bool:
         return step >= self.next_exchange
@@ -74,7 +74,6 @@ class Coordinator:
             self._result.copy_(self._word, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        self._in_flight_step = step
         if agreed is not None:
             step_seconds = max(agreed_step_seconds(self._last_word), 1e-4)
             self.interval = max(self.min_interval, min(self.max_interval, round(self.target_seconds / step_seconds)))
@@ -116,8 +115,6 @@ class Coordinator:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
-
-    _last_word: list[int] = []
 
 
 def agreed_step_seconds(word: list[int]) -> float:
