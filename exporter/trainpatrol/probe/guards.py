@@ -1,15 +1,22 @@
 """Local guards: checks on the values read back from the device, needing no Prometheus.
 
 A tripped guard is counted (``trainpatrol_guard_trips_total{guard}``), shown while its condition
-holds (``trainpatrol_guard_active{guard}``), logged once per trip, and handed to the control
-policy, which by default pauses on non-finite loss or gradients.
+holds (``trainpatrol_guard_active{guard}``), and handed to the control policy, which by default
+pauses on non-finite loss or gradients. Its first trip is logged; a guard that keeps flapping is
+logged at most once per ``log_interval_seconds``, with the number of trips in between.
+
+A step costs O(1): the detail line is formatted only when a guard trips, the running medians are
+recomputed every ``median_refresh_steps`` steps and the stagnation test every twentieth of its window.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import median
 
 from .memory import MemoryReading
 from .window import History
@@ -36,49 +43,73 @@ class GuardConfig:
     stagnation_steps: int = 1000
     stagnation_min_improvement: float = 0.001
     """Relative drop of the median loss, first half vs second half of the stagnation window."""
+    log_interval_seconds: float = 60.0
+    """A guard that trips again is logged at most this often (each trip is still counted and acted on)."""
     fragmentation_ratio: float = 0.35
     fragmentation_min_reserved_bytes: float = 4 * 2**30
     oom_used_ratio: float = 0.92
 
 
 class Guards:
-    def __init__(self, config: GuardConfig) -> None:
+    def __init__(self, config: GuardConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         self.trips: dict[str, int] = dict.fromkeys(GUARDS, 0)
         self.active: dict[str, bool] = dict.fromkeys(GUARDS, False)
+        self._logged_at: dict[str, float] = {}
+        self._unlogged: dict[str, int] = dict.fromkeys(GUARDS, 0)
         self._refreshed_at = -(10**9)
+        self._stagnation_at = -(10**9)
         self._samples = 0
         self._med_loss = math.nan
         self._med_gn = math.nan
         self._stagnant_now = False
 
-    def _set(self, guard: str, condition: bool, detail: str, tripped: list[tuple[str, str]]) -> None:
+    def _set(self, guard: str, condition: bool, detail: Callable[[], str], tripped: list[tuple[str, str]]) -> None:
         if condition and not self.active[guard]:
             self.trips[guard] += 1
-            tripped.append((guard, detail))
-            log.warning("trainpatrol guard %s tripped: %s", guard, detail)
+            line = detail()
+            tripped.append((guard, line))
+            self._log(guard, line)
         self.active[guard] = condition
+
+    def _log(self, guard: str, line: str) -> None:
+        now = self.clock()
+        last = self._logged_at.get(guard)
+        if last is not None and now - last < self.config.log_interval_seconds:
+            self._unlogged[guard] += 1
+            return
+        since = self._unlogged[guard]
+        more = f" ({since} more trips since the last log line)" if since else ""
+        log.warning("trainpatrol guard %s tripped: %s%s", guard, line, more)
+        self._logged_at[guard], self._unlogged[guard] = now, 0
 
     def check_step(self, step: int, loss: float, grad_norm: float | None, history: History) -> list[tuple[str, str]]:
         """Judge one read-back step. Returns the guards that tripped now, with a detail line."""
         c = self.config
         tripped: list[tuple[str, str]] = []
-        self._set("nonfinite_loss", not math.isfinite(loss), f"loss {loss} at step {step}", tripped)
-        if grad_norm is None:  # no norm computed this step: the gradient guards cannot judge
-            grad_norm = 0.0
-        self._set("nonfinite_grad", not math.isfinite(grad_norm), f"grad norm {grad_norm} at step {step}", tripped)
+        gn = 0.0 if grad_norm is None else grad_norm  # no norm this step: the gradient guards cannot judge
+        if not (math.isfinite(loss) and math.isfinite(gn)) or self.active["nonfinite_loss"] \
+                or self.active["nonfinite_grad"]:
+            self._set("nonfinite_loss", not math.isfinite(loss), lambda: f"loss {loss} at step {step}", tripped)
+            self._set("nonfinite_grad", not math.isfinite(gn), lambda: f"grad norm {gn} at step {step}", tripped)
         self._refresh(step, history)
         enough = self._samples >= c.min_steps
         med_loss, med_gn = self._med_loss, self._med_gn
         spike = enough and math.isfinite(loss) and med_loss > 0 and loss > c.loss_spike_factor * med_loss
-        self._set("loss_spike", spike,
-                  f"loss {loss:.4g} > {c.loss_spike_factor} x median {med_loss:.4g} at step {step}", tripped)
-        relative = enough and med_gn > 0 and grad_norm > c.grad_norm_factor * med_gn
-        self._set("grad_norm_explosion", math.isfinite(grad_norm) and (relative or grad_norm > c.grad_norm_ceiling),
-                  f"grad norm {grad_norm:.4g} (median {med_gn:.4g}, ceiling {c.grad_norm_ceiling:g}) at step {step}",
-                  tripped)
-        self._set("loss_stagnation", self._stagnant_now,
-                  f"median loss improved < {c.stagnation_min_improvement:.1%} over {c.stagnation_steps} steps", tripped)
+        if spike or self.active["loss_spike"]:
+            self._set("loss_spike", spike, lambda: f"loss {loss:.4g} > {c.loss_spike_factor} x median "
+                                                   f"{med_loss:.4g} at step {step}", tripped)
+        exploded = math.isfinite(gn) and ((enough and med_gn > 0 and gn > c.grad_norm_factor * med_gn)
+                                          or gn > c.grad_norm_ceiling)
+        if exploded or self.active["grad_norm_explosion"]:
+            self._set("grad_norm_explosion", exploded,
+                      lambda: f"grad norm {gn:.4g} (median {med_gn:.4g}, ceiling {c.grad_norm_ceiling:g}) "
+                              f"at step {step}", tripped)
+        if self._stagnant_now or self.active["loss_stagnation"]:
+            self._set("loss_stagnation", self._stagnant_now,
+                      lambda: f"median loss improved < {c.stagnation_min_improvement:.1%} over "
+                              f"{c.stagnation_steps} steps", tripped)
         return tripped
 
     def _refresh(self, step: int, history: History) -> None:
@@ -86,19 +117,22 @@ class Guards:
         if step - self._refreshed_at < c.median_refresh_steps and self._samples >= c.min_steps:
             return
         self._refreshed_at = step
-        losses = history.values("loss", c.median_window)
+        window = history.recent(c.median_window)
+        losses = [r.loss for r in window if math.isfinite(r.loss)]
+        norms = [r.grad_norm for r in window if math.isfinite(r.grad_norm)]
         self._samples = len(losses)
-        self._med_loss = history.median("loss", c.median_window)
-        self._med_gn = history.median("grad_norm", c.median_window)
-        self._stagnant_now = self._stagnant(history)
+        self._med_loss = float(median(losses)) if losses else math.nan
+        self._med_gn = float(median(norms)) if norms else math.nan
+        if step - self._stagnation_at >= max(c.median_refresh_steps, c.stagnation_steps // 20):
+            self._stagnation_at = step
+            self._stagnant_now = self._stagnant(history.values("loss", c.stagnation_steps))
 
-    def _stagnant(self, history: History) -> bool:
+    def _stagnant(self, losses: list[float]) -> bool:
         n = self.config.stagnation_steps
-        losses = history.values("loss", n)
         if len(losses) < n:
             return False
         half = len(losses) // 2
-        first, second = sorted(losses[:half])[half // 2], sorted(losses[half:])[(len(losses) - half) // 2]
+        first, second = median(losses[:half]), median(losses[half:])
         return first > 0 and (first - second) / first < self.config.stagnation_min_improvement
 
     def check_memory(self, m: MemoryReading) -> list[tuple[str, str]]:
@@ -106,7 +140,7 @@ class Guards:
         tripped: list[tuple[str, str]] = []
         self._set("memory_fragmentation",
                   m.fragmentation > c.fragmentation_ratio and m.reserved > c.fragmentation_min_reserved_bytes,
-                  f"fragmentation {m.fragmentation:.2f} with {m.reserved / 2**30:.1f} GiB reserved", tripped)
+                  lambda: f"fragmentation {m.fragmentation:.2f} with {m.reserved / 2**30:.1f} GiB reserved", tripped)
         self._set("oom_risk", m.used_ratio > c.oom_used_ratio,
-                  f"allocated / capacity = {m.used_ratio:.3f}", tripped)
+                  lambda: f"allocated / capacity = {m.used_ratio:.3f}", tripped)
         return tripped

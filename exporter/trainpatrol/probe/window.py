@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any
@@ -49,7 +50,7 @@ class History:
     def recent(self, n: int | None = None) -> list[StepRecord]:
         n = self.window if n is None else n
         size = len(self.records)
-        return [self.records[i] for i in range(max(0, size - n), size)]
+        return list(islice(self.records, max(0, size - n), size))
 
     def values(self, field: str, n: int | None = None) -> list[float]:
         return _finite([getattr(r, field) for r in self.recent(n)])
