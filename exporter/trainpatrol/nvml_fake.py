@@ -66,6 +66,7 @@ class FakeNvml:
         self._overrides: dict[int, dict[str, tuple[Any, str | None]]] = collections.defaultdict(dict)
         self._events: collections.deque[tuple[int, int]] = collections.deque()
         self._readings = {k: self._entry(v) for k, v in fixture["device"].items()}
+        self._device_calls = frozenset(k.split("/")[0] for k in self._readings)
         self._system = {k: self._entry(v) for k, v in fixture["system"].items()}
         self._event_calls = {k: self._entry(v) for k, v in fixture.get("events", {}).items()}
 
@@ -242,7 +243,6 @@ class FakeNvml:
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         """Every other device call recorded in the fixture: ``name(handle, *args)``."""
-        readings = self.__dict__.get("_readings", {})
-        if name.startswith("nvmlDevice") and any(k.split("/")[0] == name for k in readings):
+        if name in self.__dict__.get("_device_calls", ()):
             return lambda handle, *args: self._reading(name, handle, *args)
         raise AttributeError(f"FakeNvml has no {name!r}: it is not in the fixture")

@@ -31,6 +31,7 @@ from .alerts import Deduper, WebhookPayload, classify, to_command
 from .auth import require_control, require_push
 from .config import AgentConfig
 from .exposition import exposition
+from .hotpath import HotPaths
 from .router import FORWARDED_HEADER, Router
 from .store import RankStore
 
@@ -88,7 +89,8 @@ class BodyLimit:
 
 
 class Agent:
-    """Wires the store, collectors and router together; ``app`` is the FastAPI application."""
+    """Wires the store, collectors and router together. ``app`` is the ASGI application: the hot
+    paths (agent.hotpath) in front of ``api``, the FastAPI application with everything else."""
 
     def __init__(self, config: AgentConfig, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
@@ -106,7 +108,13 @@ class Agent:
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=200)
-        self.app = self._build()
+        self.api = self._build()
+        self.app = HotPaths(self.api, store=self.store, ranks=self.ranks, stats=self.stats, token=config.token,
+                            max_body=config.max_push_bytes, metrics=lambda: exposition(self.registry),
+                            health=self._health)
+
+    def _health(self) -> dict[str, Any]:
+        return {"status": "ok", "mode": self.config.mode, "version": __version__}
 
     def enqueue(self, command: Command) -> bool:
         fresh = self.store.enqueue(command)
@@ -134,12 +142,11 @@ class Agent:
 
         app.add_middleware(BodyLimit, limit=cfg.max_push_bytes)
 
-        # /healthz, /metrics and /v1/push are the hot paths (a scrape several times a second, a push
-        # per rank per second) and do brief, non-blocking work: they run on the event loop rather
-        # than paying for a thread-pool hand-off on every request
+        # /healthz, /metrics and /v1/push are answered by agent.hotpath before a request reaches
+        # FastAPI; these routes document them in the OpenAPI schema, and answer HEAD
         @app.get("/healthz", summary="Liveness and readiness")
         async def healthz() -> dict[str, Any]:
-            return {"status": "ok", "mode": cfg.mode, "version": __version__}
+            return self._health()
 
         @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs",
                  response_class=Response)

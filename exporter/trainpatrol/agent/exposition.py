@@ -11,7 +11,7 @@ is byte for byte what ``generate_latest(registry)`` gives (tests/agent/test_live
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
@@ -23,21 +23,28 @@ from prometheus_client.utils import floatToGoString
 class RenderedFamily(Metric):
     """A family made of parts whose sample lines were formatted once; ``samples`` joins them on demand."""
 
+    SamplesFn = Callable[[], list[Sample]]
+
     def __init__(self, name: str, documentation: str, typ: str, unit: str = "") -> None:
-        self._parts: list[tuple[list[Sample], str]] = []
+        self._parts: list[tuple[RenderedFamily.SamplesFn, str]] = []
         super().__init__(name, documentation, typ, unit)
 
     def add_part(self, samples: list[Sample], text: str) -> None:
         """Samples and the same samples formatted as exposition lines."""
+        self._parts.append((lambda: samples, text))
+
+    def add_lazy(self, text: str, samples: SamplesFn) -> None:
+        """Formatted lines, and a function that builds the same samples if anyone asks for them."""
         self._parts.append((samples, text))
 
     @property  # type: ignore[override]
     def samples(self) -> list[Sample]:
-        return [s for part, _ in self._parts for s in part]
+        return [s for part, _ in self._parts for s in part()]
 
     @samples.setter
     def samples(self, samples: list[Sample]) -> None:
-        self._parts = [(list(samples), _text(self.name, self.documentation, self.type, self.unit, samples))]
+        kept = list(samples)
+        self._parts = [(lambda: kept, _text(self.name, self.documentation, self.type, self.unit, kept))]
 
     @property
     def text(self) -> str:

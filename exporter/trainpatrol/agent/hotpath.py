@@ -1,0 +1,154 @@
+"""The three requests that arrive many times a second, answered in plain ASGI before FastAPI.
+
+Every rank pushes about once a second and Prometheus scrapes /metrics; at 64 ranks FastAPI's
+routing, dependency solving and response models cost more CPU than the work itself (bench/scrape.py).
+``HotPaths`` answers ``POST /v1/push``, ``GET /metrics`` and ``GET /healthz`` directly and hands
+everything else to the FastAPI app, which still documents these routes in its OpenAPI schema.
+Answers are those FastAPI gave: 413 over the body limit, 401 without the token, 422 with the
+validation errors under ``body``. One difference: the token is checked before the body is parsed.
+
+Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, too_large).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..collectors.agent_self import AgentStats
+from ..collectors.ranks import RankCollector
+from ..protocol import PushReply, RankSnapshot
+from .auth import token_ok
+from .config import is_loopback
+from .store import RankStore
+
+JSON = b"application/json"
+_EMPTY_REPLY = PushReply().model_dump_json().encode()
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class HotPaths:
+    """ASGI middleware: pushes, scrapes and health checks without the framework's per-request cost."""
+
+    def __init__(self, app: ASGIApp, *, store: RankStore, ranks: RankCollector, stats: AgentStats, token: str,
+                 max_body: int, metrics: Callable[[], bytes], health: Callable[[], dict[str, Any]]) -> None:
+        self.app = app
+        self.store, self.ranks, self.stats = store, ranks, stats
+        self.token, self.max_body = token, max_body
+        self.metrics, self.health = metrics, health
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            method, path = scope["method"], scope["path"]
+            if path == "/v1/push" and method == "POST":
+                await self._push(scope, receive, send)
+                return
+            if path == "/metrics" and method == "GET":
+                await _answer(send, 200, self.metrics(), CONTENT_TYPE_LATEST.encode())
+                return
+            if path == "/healthz" and method == "GET":
+                await _answer(send, 200, json.dumps(self.health()).encode(), JSON)
+                return
+        await self.app(scope, receive, send)
+
+    async def _push(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope["headers"])
+        try:
+            body = await self._body(headers.get(b"content-length", b"0"), receive)
+        except BodyTooLarge as exc:
+            self.stats.count("pushes", "too_large")
+            await _problem(send, 413, exc.detail)
+            return
+        if not self._authorized(scope, headers.get(b"authorization", b"").decode("latin-1")):
+            self.stats.count("pushes", "unauthorized")
+            await _problem(send, 401, "Pushes from other hosts must carry the bearer token.",
+                           [(b"www-authenticate", b"Bearer")])
+            return
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if content_type != JSON:
+            self.stats.count("pushes", "invalid")
+            await _problem(send, 422, f"Invalid request: body: Content-Type must be application/json, "
+                                      f"not {content_type.decode('latin-1')!r}.")
+            return
+        try:
+            snapshot = RankSnapshot.model_validate_json(body)
+        except ValidationError as exc:
+            self.stats.count("pushes", "invalid")
+            await _invalid(send, exc)
+            return
+        commands = self.store.push(snapshot)
+        self.ranks.prepare(snapshot)
+        self.stats.count("pushes", "ok")
+        reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
+        await _answer(send, 200, reply, JSON)
+
+    async def _body(self, length: bytes, receive: Receive) -> bytes:
+        """The request body; ``BodyTooLarge`` by Content-Length or as a chunked body streams in."""
+        if not length.isdigit() or int(length) > self.max_body:
+            raise BodyTooLarge(_too_large(length.decode("latin-1"), self.max_body))
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body:
+                raise BodyTooLarge(_too_large(f"more than {self.max_body}", self.max_body))
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+    def _authorized(self, scope: Scope, authorization: str) -> bool:
+        """Loopback callers without a token, or anyone with the right bearer token."""
+        scheme, _, value = authorization.partition(" ")
+        presented = value.strip() if scheme.lower() == "bearer" else ""
+        client = scope.get("client")
+        if client and is_loopback(client[0]) and not presented:
+            return True
+        return token_ok(self.token, presented)
+
+
+def _too_large(length: str, limit: int) -> str:
+    return f"Request body of {length} bytes is over the limit of {limit} bytes."
+
+
+async def _answer(send: Send, status: int, body: bytes, content_type: bytes,
+                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _problem(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None,
+                   errors: list[dict[str, Any]] | None = None) -> None:
+    problem: dict[str, Any] = {"detail": detail}
+    if errors is not None:
+        problem["errors"] = errors
+    await _answer(send, status, json.dumps(problem).encode(), JSON, headers)
+
+
+async def _invalid(send: Send, exc: ValidationError) -> None:
+    """422 as the FastAPI handler words it: the first error in ``detail``, all of them under ``body``."""
+    errors: list[dict[str, Any]] = json.loads(json.dumps(exc.errors(include_url=False), default=_printable))
+    for e in errors:
+        e["loc"] = ["body", *e["loc"]]
+    first = errors[0] if errors else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    await _problem(send, 422, f"Invalid request: {where}: {first.get('msg', 'malformed')}", errors=errors)
+
+
+def _printable(value: object) -> str:
+    """JSON for what pydantic puts in an error: the raw input (maybe not UTF-8) or an exception."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
