@@ -261,3 +261,28 @@ def test_command_queues_expire_with_their_ttl() -> None:
     clock.now = T0 + COMMAND_TTL_SECONDS + 1
     store.expire()
     assert store.pending("never-started") == []
+
+
+def test_lines_reused_from_the_last_push_equal_fresh_ones() -> None:
+    """A push reuses the lines of samples that did not change; the result equals a fresh rendering."""
+    from trainpatrol.collectors.rank_lines import rank_lines
+
+    def samples(loss: float, zero: float, kind: str) -> list[dict[str, Any]]:
+        return [{"name": "trainpatrol_loss", "labels": {}, "value": loss},
+                {"name": "trainpatrol_grad_norm", "labels": {}, "value": zero},
+                {"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": kind}, "value": 3.0},
+                {"name": "trainpatrol_step_total", "labels": {}, "value": 7.0}]
+
+    first = snap(samples=samples(1.5, 0.0, "loss"))
+    second = snap(samples=samples(float("nan"), -0.0, "grad"))
+    third = snap(samples=samples(float("nan"), -0.0, "grad"))
+    before = rank_lines(first)
+    after = rank_lines(second, before)
+    assert after.families == rank_lines(second).families
+    assert after.families["trainpatrol_grad_norm"] == 'trainpatrol_grad_norm{rank="0",run="r1"} -0.0\n'
+    assert after.families["trainpatrol_nonfinite_steps_total"] == \
+        'trainpatrol_nonfinite_steps_total{kind="grad",rank="0",run="r1"} 3.0\n'
+    assert after.sample_lines[3] is before.sample_lines[3]  # step_total unchanged: the same line object
+    again = rank_lines(third, after)
+    assert again.families == after.families
+    assert again.sample_lines[1] is after.sample_lines[1] and again.sample_lines[0] is not after.sample_lines[0]

@@ -9,6 +9,9 @@ lines are byte for byte what ``generate_latest`` writes for the same samples, wh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from math import copysign
+
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -42,19 +45,40 @@ def plain_labels(snap: RankSnapshot) -> str:
     return f'rank="{snap.rank}",run="{_escape(snap.run)}"'
 
 
-def rank_lines(snap: RankSnapshot) -> dict[str, str]:
-    """Catalogue metric name -> the snapshot's exposition lines of that family."""
+@dataclass(frozen=True)
+class Rendered:
+    """One snapshot's lines: per sample (for reuse by the next push) and joined per family."""
+
+    snapshot: RankSnapshot
+    sample_lines: list[str]
+    families: dict[str, str]
+
+
+def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered:
+    """Catalogue metric name -> the snapshot's exposition lines of that family.
+
+    A sample equal to the one at the same place in ``previous`` (the rank's last push) reuses its
+    line: info metrics, settings and most counters do not change from one push to the next."""
     base = {"run": _escape(snap.run), "rank": str(snap.rank)}
     plain = plain_labels(snap)
+    before = previous.snapshot.samples if previous is not None else []
+    sample_lines: list[str] = []
     out: dict[str, list[str]] = {}
-    for s in snap.samples:
-        if s.labels:
-            values = base | {k: _escape(v) for k, v in s.labels.items()}
-            block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[s.name]])
+    for i, s in enumerate(snap.samples):
+        old = before[i] if i < len(before) else None
+        if old is not None and old.value == s.value and old.name == s.name and old.labels == s.labels \
+                and (s.value or copysign(1.0, s.value) == copysign(1.0, old.value)):  # 0.0 and -0.0 differ
+            line = previous.sample_lines[i]  # type: ignore[union-attr]
         else:
-            block = plain
-        value = "1.0" if s.name in _INFO else floatToGoString(s.value)
-        out.setdefault(s.name, []).append(f"{s.name}{{{block}}} {value}\n")
+            if s.labels:
+                values = base | {k: _escape(v) for k, v in s.labels.items()}
+                block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[s.name]])
+            else:
+                block = plain
+            value = "1.0" if s.name in _INFO else floatToGoString(s.value)
+            line = f"{s.name}{{{block}}} {value}\n"
+        sample_lines.append(line)
+        out.setdefault(s.name, []).append(line)
     h = snap.histogram
     if h is not None:
         name = _HISTOGRAM
@@ -63,7 +87,7 @@ def rank_lines(snap: RankSnapshot) -> dict[str, str]:
         lines.append(f"{name}_count{{{plain}}} {floatToGoString(h.counts[-1])}\n")
         lines.append(f"{name}_sum{{{plain}}} {floatToGoString(h.sum)}\n")
         out[_HISTOGRAM] = lines
-    return {name: "".join(lines) for name, lines in out.items()}
+    return Rendered(snap, sample_lines, {name: "".join(lines) for name, lines in out.items()})
 
 
 def family(m: CatalogueMetric) -> Metric:

@@ -18,7 +18,7 @@ from ..agent.exposition import RenderedFamily
 from ..agent.store import RankEntry, RankStore
 from ..catalogue import AGENT_METRICS, RANK_METRICS
 from ..protocol import RankSnapshot
-from .rank_lines import family, family_samples, plain_labels, rank_lines
+from .rank_lines import Rendered, family, family_samples, plain_labels, rank_lines
 
 _LIVENESS = {m.name: m for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_")}
 _FAMILIES = [(m.name, family(m)) for m in RANK_METRICS]
@@ -26,9 +26,9 @@ Lines = tuple[str, ...]
 """One rank's exposition lines per family, in ``_FAMILIES`` order ("" where it has none)."""
 
 
-def _lines(snap: RankSnapshot) -> Lines:
-    by_name = rank_lines(snap)
-    return tuple(by_name.get(name, "") for name, _ in _FAMILIES)
+def _lines(snap: RankSnapshot, previous: Rendered | None = None) -> tuple[Rendered, Lines]:
+    rendered = rank_lines(snap, previous)
+    return rendered, tuple(rendered.families.get(name, "") for name, _ in _FAMILIES)
 
 
 class RankCollector:
@@ -38,7 +38,7 @@ class RankCollector:
     def __init__(self, store: RankStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._rendered: dict[tuple[str, int], tuple[RankSnapshot, Lines]] = {}
+        self._rendered: dict[tuple[str, int], tuple[Rendered, Lines]] = {}
 
     def describe(self) -> list[Metric]:
         return []
@@ -69,9 +69,12 @@ class RankCollector:
 
     def prepare(self, snap: RankSnapshot) -> None:
         """Format a snapshot as it is pushed, so that a scrape, however frequent, only joins lines."""
-        rendered = (snap, _lines(snap))
+        key = (snap.run, snap.rank)
         with self._lock:
-            self._rendered[(snap.run, snap.rank)] = rendered
+            previous = self._rendered.get(key)
+        rendered = _lines(snap, previous[0] if previous is not None else None)
+        with self._lock:
+            self._rendered[key] = rendered
 
     def _render(self, entries: list[RankEntry]) -> list[Lines]:
         """Per entry: family name -> formatted lines, reused until the rank pushes again."""
@@ -81,8 +84,8 @@ class RankCollector:
         for e in entries:
             key = (e.snapshot.run, e.snapshot.rank)
             cached = cache.get(key)
-            if cached is None or cached[0] is not e.snapshot:
-                cached = (e.snapshot, _lines(e.snapshot))
+            if cached is None or cached[0].snapshot is not e.snapshot:
+                cached = _lines(e.snapshot, cached[0] if cached is not None else None)
             fresh[key] = cached
             out.append(cached[1])
         with self._lock:
