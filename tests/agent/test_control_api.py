@@ -92,9 +92,41 @@ def test_garbage_push_is_422_and_counted() -> None:
 
 
 def test_oversized_push_is_413() -> None:
-    _, client = make_agent(max_push_bytes=1000)
+    agent, client = make_agent(max_push_bytes=1000)
     r = client.post("/v1/push", content=b"{" + b" " * 2000 + b"}", headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 413 and "over the limit" in r.json()["detail"]
+
+    def chunks() -> Any:  # no Content-Length: the limit holds as the body streams in
+        yield b"{" + b" " * 600
+        yield b" " * 600 + b"}"
+
+    r = client.post("/v1/push", content=chunks(), headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["detail"] == \
+        "Request body of more than 1000 bytes is over the limit of 1000 bytes."
+    assert agent.stats.pushes["too_large"] == 2 and agent.store.entries() == []
+
+
+def test_push_token_is_checked_before_the_body_is_read() -> None:
+    """A stranger learns nothing from validation messages: 401 whatever the body."""
+    agent, client = make_agent()
+    r = client.post("/v1/push", content=b"\xff garbage", headers={"Content-Type": "application/json"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    r = client.post("/v1/push", json={"run": "r1", "rank": 0}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert agent.stats.pushes["unauthorized"] == 2 and agent.stats.pushes["invalid"] == 0
+
+
+@pytest.mark.parametrize("content, content_type, fragment", [
+    (b"\xff\xfe not UTF-8", "application/json", "body: Invalid JSON"),
+    (b'{"run": "r1", "rank": 0', "application/json", "body: Invalid JSON: EOF"),
+    (b'{"run": "r1", "rank": 0}', "text/plain", "Content-Type must be application/json, not 'text/plain'"),
+    (b"[]", "application/json", "body: Input should be an object"),
+])
+def test_unreadable_push_is_422_with_message(content: bytes, content_type: str, fragment: str) -> None:
+    agent, client = make_agent()
+    r = client.post("/v1/push", content=content, headers={**AUTH, "Content-Type": content_type})
+    assert r.status_code == 422 and fragment in r.json()["detail"], r.json()
+    assert agent.stats.pushes["invalid"] == 1 and agent.store.entries() == []
 
 
 def test_duplicate_alert_makes_one_command() -> None:
