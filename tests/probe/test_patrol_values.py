@@ -207,6 +207,25 @@ def test_loss_spike_and_grad_explosion_guards(tmp_path: Path) -> None:
     patrol.close()
 
 
+@pytest.mark.parametrize("action", [None, "checkpoint"])
+def test_loss_stagnation_trips_on_a_flat_loss_and_not_on_a_falling_one(tmp_path: Path, action: str | None) -> None:
+    """Judged on the last 40 finite losses, though the step being judged has no loss yet; with an
+    action configured the steps are folded one by one, without it in batches."""
+    guards = GuardConfig(min_steps=5, stagnation_steps=40, stagnation_min_improvement=0.01, median_refresh_steps=4)
+    patrol = scripted_patrol(tmp_path, guards=guards,
+                             guard_actions={"loss_stagnation": action} if action else {})
+    run_scripted(patrol, [2.0 - 0.02 * i for i in range(60)])  # falling 1 % a step: never stagnant
+    snap = patrol.snapshot()
+    assert value(snap, "guard_trips_total", guard="loss_stagnation") == 0
+    run_scripted(patrol, [0.8] * 60)  # flat: the older half no longer beats the newer one
+    snap = patrol.snapshot()
+    assert value(snap, "guard_trips_total", guard="loss_stagnation") == 1
+    assert value(snap, "guard_active", guard="loss_stagnation") == 1
+    if action:
+        assert [a.action for a in patrol.actions] == ["checkpoint"]  # carried out at the next boundary
+    patrol.close()
+
+
 def test_oom_writes_evidence_and_reraises(tmp_path: Path) -> None:
     patrol = scripted_patrol(tmp_path, guard_actions={})
     with pytest.raises(torch.OutOfMemoryError), patrol:

@@ -31,8 +31,10 @@ class PatrolConfig:
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step; Patrol.step() is called once per micro-step."""
     readback_lag_seconds: float = 0.02
-    """On CUDA, device values are copied to the host in batches covering about this much time (at
-    most 16 steps), so fast steps pay for fewer kernel launches; guards see them that much later."""
+    """Step values reach history and guards in batches covering about this much time (at most 16
+    steps): on CUDA one copy to the host per batch, so fast steps pay for fewer kernel launches; on
+    CPU one warm loop per batch. Guards see them that much later, except a non-finite value on CPU
+    (folded in at once) and every step when a loss or grad-norm guard has an action."""
     memory_interval_seconds: float = 1.0
     """Allocator reads happen at most this often (13-139 µs each on an H200)."""
     checkpoint_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_CHECKPOINT_DIR",

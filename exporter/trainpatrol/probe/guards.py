@@ -6,25 +6,30 @@ pauses on non-finite loss or gradients. Its first trip is logged; a guard that k
 logged at most once per ``log_interval_seconds``, with the number of trips in between.
 
 A step costs O(1): the detail line is formatted only when a guard trips, the running medians are
-recomputed every ``median_refresh_steps`` steps and the stagnation test every twentieth of its window.
+recomputed every ``median_refresh_steps`` steps and the stagnation test every twentieth of its window;
+in between, a step with both values finite and under limits set at the refresh returns at once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from statistics import median
+from itertools import islice
 
 from .memory import MemoryReading
-from .window import History
+from .window import History, finite
 
 log = logging.getLogger("trainpatrol")
 
 GUARDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "loss_stagnation", "grad_norm_explosion",
           "memory_fragmentation", "oom_risk")
+STEP_GUARDS = GUARDS[:5]
+"""The guards ``check_step`` judges."""
+_MAX = sys.float_info.max
 
 
 @dataclass
@@ -58,12 +63,16 @@ class Guards:
         self.active: dict[str, bool] = dict.fromkeys(GUARDS, False)
         self._logged_at: dict[str, float] = {}
         self._unlogged: dict[str, int] = dict.fromkeys(GUARDS, 0)
-        self._refreshed_at = -(10**9)
+        self._next_refresh = -math.inf
         self._stagnation_at = -(10**9)
         self._samples = 0
         self._med_loss = math.nan
         self._med_gn = math.nan
         self._stagnant_now = False
+        self._loss_limit = self._gn_limit = _MAX
+        """Between refreshes, a step with both values in [-max float, limit] trips nothing new."""
+        self._quiet = True
+        """No step guard is active."""
 
     def _set(self, guard: str, condition: bool, detail: Callable[[], str], tripped: list[tuple[str, str]]) -> None:
         if condition and not self.active[guard]:
@@ -86,14 +95,18 @@ class Guards:
 
     def check_step(self, step: int, loss: float, grad_norm: float | None, history: History) -> list[tuple[str, str]]:
         """Judge one read-back step. Returns the guards that tripped now, with a detail line."""
+        gn = 0.0 if grad_norm is None else grad_norm  # no norm this step: the gradient guards cannot judge
+        if step >= self._next_refresh:
+            self._refresh(step, history)
+        if -_MAX <= loss <= self._loss_limit and -_MAX <= gn <= self._gn_limit and self._quiet \
+                and not self._stagnant_now:
+            return []  # the common step: finite, below both limits, nothing to clear
         c = self.config
         tripped: list[tuple[str, str]] = []
-        gn = 0.0 if grad_norm is None else grad_norm  # no norm this step: the gradient guards cannot judge
         if not (math.isfinite(loss) and math.isfinite(gn)) or self.active["nonfinite_loss"] \
                 or self.active["nonfinite_grad"]:
             self._set("nonfinite_loss", not math.isfinite(loss), lambda: f"loss {loss} at step {step}", tripped)
             self._set("nonfinite_grad", not math.isfinite(gn), lambda: f"grad norm {gn} at step {step}", tripped)
-        self._refresh(step, history)
         enough = self._samples >= c.min_steps
         med_loss, med_gn = self._med_loss, self._med_gn
         spike = enough and math.isfinite(loss) and med_loss > 0 and loss > c.loss_spike_factor * med_loss
@@ -110,29 +123,38 @@ class Guards:
             self._set("loss_stagnation", self._stagnant_now,
                       lambda: f"median loss improved < {c.stagnation_min_improvement:.1%} over "
                               f"{c.stagnation_steps} steps", tripped)
+        self._quiet = not any(self.active[g] for g in STEP_GUARDS)
         return tripped
 
     def _refresh(self, step: int, history: History) -> None:
         c = self.config
-        if step - self._refreshed_at < c.median_refresh_steps and self._samples >= c.min_steps:
-            return
-        self._refreshed_at = step
-        window = history.recent(c.median_window)
-        losses = [r.loss for r in window if math.isfinite(r.loss)]
-        norms = [r.grad_norm for r in window if math.isfinite(r.grad_norm)]
+        window = list(islice(reversed(history.records), max(0, c.median_window)))  # any order will do
+        losses = finite([r.loss for r in window])
+        norms = finite([r.grad_norm for r in window])
         self._samples = len(losses)
-        self._med_loss = float(median(losses)) if losses else math.nan
-        self._med_gn = float(median(norms)) if norms else math.nan
+        self._med_loss = _median(losses) if losses else math.nan
+        self._med_gn = _median(norms) if norms else math.nan
+        enough = self._samples >= c.min_steps
+        self._next_refresh = step + c.median_refresh_steps if enough else -math.inf
+        self._loss_limit = min(c.loss_spike_factor * self._med_loss if enough and self._med_loss > 0 else _MAX, _MAX)
+        self._gn_limit = min(c.grad_norm_factor * self._med_gn if enough and self._med_gn > 0 else _MAX,
+                             c.grad_norm_ceiling, _MAX)
         if step - self._stagnation_at >= max(c.median_refresh_steps, c.stagnation_steps // 20):
             self._stagnation_at = step
-            self._stagnant_now = self._stagnant(history.values("loss", c.stagnation_steps))
+            self._stagnant_now = self._stagnant(history)
 
-    def _stagnant(self, losses: list[float]) -> bool:
+    def _stagnant(self, history: History) -> bool:
+        """The median of the older half of the last ``stagnation_steps`` finite losses is not beaten by
+        enough by the newer half's. The newest records (the step being judged, and on CUDA up to a
+        read-back batch) have no loss yet, so the window reaches back over them."""
         n = self.config.stagnation_steps
+        if len(history.records) < n:
+            return False
+        losses = finite([r.loss for r in history.recent(n + self.config.median_refresh_steps)])[-n:]
         if len(losses) < n:
             return False
         half = len(losses) // 2
-        first, second = median(losses[:half]), median(losses[half:])
+        first, second = _median(losses[:half]), _median(losses[half:])
         return first > 0 and (first - second) / first < self.config.stagnation_min_improvement
 
     def check_memory(self, m: MemoryReading) -> list[tuple[str, str]]:
@@ -144,3 +166,11 @@ class Guards:
         self._set("oom_risk", m.used_ratio > c.oom_used_ratio,
                   lambda: f"allocated / capacity = {m.used_ratio:.3f}", tripped)
         return tripped
+
+
+def _median(values: list[float]) -> float:
+    """``float(statistics.median(values))`` for a non-empty list, which it sorts in place."""
+    values.sort()
+    n = len(values)
+    i = n // 2
+    return float(values[i] if n % 2 else (values[i - 1] + values[i]) / 2)

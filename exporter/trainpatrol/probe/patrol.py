@@ -1,8 +1,10 @@
 """Patrol: the training-side module that runs in every rank.
 
 The hot path (``step``) keeps loss, grad norm and non-finite counts on the device and reads them one
-step later from pinned memory; it never synchronises host and device. Control actions happen at
-step boundaries (``boundary``, called by ``loader`` before each batch), agreed across ranks.
+step later from pinned memory; it never synchronises host and device. On CPU it reads them at once,
+and folds them into history, totals and guards every few steps in one loop (a non-finite value at
+once). Control actions happen at step boundaries (``boundary``, called by ``loader`` before each
+batch), agreed across ranks.
 Emits every rank metric of the catalogue through its agent (see docs/metrics.md).
 """
 
@@ -14,6 +16,7 @@ import os
 import secrets
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
@@ -23,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..catalogue import STEP_DURATION_BUCKETS
 from ..control.checkpoint import Checkpointer, SaveFn
 from ..control.coordinator import Coordinator, encode
 from ..control.evidence import bundle_name, set_recording, write_manifest, write_rank_part
@@ -39,10 +43,12 @@ from .memory import MemoryReading, default_reader
 from .metrics_state import Latest, Totals, samples
 from .publisher import Publisher
 from .readback import Readback
-from .window import History
+from .window import History, StepRecord
 
 log = logging.getLogger("trainpatrol")
 T = TypeVar("T")
+_JUDGED_AT_ONCE = {"nonfinite_loss", "nonfinite_grad", "memory_fragmentation", "oom_risk"}
+"""Guards whose action never waits for a CPU batch (see ``step``, ``_read_memory``)."""
 
 
 class Patrol:
@@ -74,8 +80,19 @@ class Patrol:
         self._values = dv.DeviceValues(self.device)
         self._readback = Readback(self.device, dv.WIDTH)
         self._flush_every = 1
+        self._on_cpu = self.device.type == "cpu"
+        self._rows: list[list[Any]] = []
+        """On CPU, steps not yet folded in: [step, end, seconds, loader wait, loss, grad norm, scale,
+        probe seconds] (see ``_absorb_host``)."""
+        self._host_batch = 1
+        self._batch_steps = not cfg.guard_actions.keys() - _JUDGED_AT_ONCE
+        """Whether CPU steps may wait in a batch: not when a guard judged there may act, as its action
+        must come at the next boundary (non-finite values and memory readings are judged at once)."""
+        self._owner = threading.get_ident()
         self._memory_reader = cfg.memory_reader or default_reader(self.device)
-        self._last_memory = -math.inf
+        self._memory_due = -math.inf if self._memory_reader is not None else math.inf
+        self._lrs: list[Any] | None = None
+        """The last step's param-group learning rates, until ``latest`` takes them."""
         self._audit: LoaderAudit | None = None
         self._audit_logged: set[str] = set()
         self._loss_sum: torch.Tensor | None = None
@@ -127,6 +144,7 @@ class Patrol:
 
     def start_at(self, step: int) -> None:
         """Continue counting from ``step`` (a resumed run); ``restore`` does this itself."""
+        self._absorb_host()
         self.totals.steps = step
         self.totals.micro_steps = step * self.config.grad_accum_steps
         self.coordinator.next_exchange = step + self.coordinator.interval
@@ -143,26 +161,64 @@ class Patrol:
         start = time.perf_counter()
         t = self.totals
         t.micro_steps += 1
-        t.samples += batch_size or 0
-        t.tokens += tokens or 0
-        detached = loss.detach()
-        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
-        if t.micro_steps % self.config.grad_accum_steps:
-            self._probe_since_step += time.perf_counter() - start
-            return
+        if batch_size:
+            t.samples += batch_size
+        if tokens:
+            t.tokens += tokens
         accum = self.config.grad_accum_steps
-        mean_loss = self._loss_sum / accum if accum > 1 else self._loss_sum
-        self._loss_sum = None
+        if accum > 1:
+            detached = loss.detach()
+            self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+            if t.micro_steps % accum:
+                self._probe_since_step += time.perf_counter() - start
+                return
+            mean_loss, self._loss_sum = self._loss_sum / accum, None
+        else:
+            mean_loss = loss
         if grad_norm is None and self._params:
             grad_norm = dv.total_grad_norm(self._params)
         scale = None
         if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: False)():
             scale = getattr(self.scaler, "_scale", None)
         t.steps += 1
-        # a host tensor is read for free, so on CPU the values skip the device ring entirely
-        on_host = mean_loss.device.type == "cpu" and self.device.type == "cpu"
-        if not on_host:
-            self._values.record(mean_loss, grad_norm, scale)
+        if learning_rates is not None:
+            self.latest.learning_rates, self._lrs = list(learning_rates), None
+        elif self.optimizer is not None:
+            lrs: list[Any] = []  # a plain loop is the cheapest way in situ; _take_lrs filters
+            for group in self.optimizer.param_groups:
+                lrs.append(group.get("lr"))
+            self._lrs = lrs
+        if not self._on_cpu:
+            rec = self._step_device(mean_loss, grad_norm, scale)
+            rec.probe_seconds = self._probe_since_step + (time.perf_counter() - start)
+            self._probe_since_step = 0.0
+            return
+        # on CPU a value is read for free (item(): no detach, no warning); the row is folded in later
+        loss_f = float(mean_loss.item())
+        gn_f = dv.ABSENT if grad_norm is None else \
+            float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+        row = [t.steps, start, start - self._last_step_end, self._wait_since_step, loss_f, gn_f,
+               1.0 if scale is None else float(scale.item() if isinstance(scale, torch.Tensor) else scale), 0.0]
+        self._last_step_end = start
+        self._wait_since_step = 0.0
+        rows = self._rows
+        if not rows:
+            self._owner = threading.get_ident()
+        rows.append(row)
+        both = loss_f + gn_f
+        # a non-finite value is folded in at once, so a guard's action comes at the next boundary
+        if len(rows) >= self._host_batch or both - both != 0 or start >= self._memory_due:
+            self._absorb_host(start >= self._memory_due)
+            self.history.records[-1].probe_seconds = self._probe_since_step + (time.perf_counter() - start)
+        else:
+            row[-1] = self._probe_since_step + (time.perf_counter() - start)
+        self._probe_since_step = 0.0
+
+    def _step_device(self, mean_loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
+                     scale: torch.Tensor | None) -> StepRecord:
+        """One step's values into the device ring; its record is made now, its values read back later."""
+        t = self.totals
+        self._values.record(mean_loss, grad_norm, scale)
         now = time.perf_counter()
         rec = self.history.record(t.steps, time.time())
         rec.step_seconds = now - self._last_step_end
@@ -170,25 +226,25 @@ class Patrol:
         t.observe_step(rec.step_seconds)
         self._last_step_end = now
         self._wait_since_step = 0.0
-        if learning_rates is not None:
-            self.latest.learning_rates = list(learning_rates)
-        elif self.optimizer is not None:
-            self.latest.learning_rates = [float(g["lr"]) for g in self.optimizer.param_groups
-                                          if isinstance(g.get("lr"), float | int)]
-        if self._memory_reader is not None and now - self._last_memory >= self.config.memory_interval_seconds:
-            self._last_memory = now
-            self._read_memory(rec.step)
-        if on_host:
-            gn = dv.ABSENT if grad_norm is None else float(grad_norm)
-            self._absorb_rows([(t.steps, float(mean_loss), gn, 1.0 if scale is None else float(scale))])
-        elif self._values.filled >= self._flush_every:
+        self._take_lrs()
+        if now >= self._memory_due:
+            self._read_memory(rec.step, now)
+        if self._values.filled >= self._flush_every:
             self._flush()
         self._absorb(self._readback.poll())
-        rec.probe_seconds = self._probe_since_step + (time.perf_counter() - start)
-        self._probe_since_step = 0.0
+        return rec
 
-    def _read_memory(self, step: int) -> None:
+    def _take_lrs(self) -> None:
+        """The last step's param-group learning rates, as read, into ``latest``."""
+        if self._lrs is not None:
+            self.latest.learning_rates = [float(v) for v in self._lrs if isinstance(v, (float, int))]
+            self._lrs = None
+
+    def _read_memory(self, step: int, now: float | None = None) -> None:
+        """Read the allocator into ``step``'s record; ``now``: a timed read, the next one due an interval later."""
         assert self._memory_reader is not None
+        if now is not None:
+            self._memory_due = now + self.config.memory_interval_seconds
         m = self._memory_reader()
         if m is None:
             return
@@ -220,18 +276,67 @@ class Patrol:
 
     def _absorb_rows(self, rows: list[tuple[int, float, float, float]]) -> None:
         for step, loss, raw_gn, scale in rows:
-            gn = None if raw_gn == dv.ABSENT else raw_gn
-            self.totals.nonfinite_loss += not math.isfinite(loss)
-            self.totals.nonfinite_grad += gn is not None and not math.isfinite(gn)
-            self._trip(self.guards.check_step(step, loss, gn, self.history))
-            rec = self.history.get(step)
-            if rec is not None:
-                rec.loss, rec.grad_norm = loss, math.nan if gn is None else gn
-            self.latest.loss, self.latest.grad_norm = loss, math.nan if gn is None else gn
-            if self.scaler is not None:
+            self._absorb_values(self.history.get(step), step, loss, raw_gn, scale)
+
+    def _absorb_host(self, read_memory: bool = False) -> None:
+        """Fold the pending CPU rows into history, totals and guards in step order, each as ``_step_device``
+        and ``_absorb_values`` would (``read_memory``: an allocator read at the last row). One loop every
+        few steps costs less than its body each step: after backward() every line runs several times slower."""
+        rows = self._rows
+        if not rows:
+            return
+        self._rows = []
+        self._take_lrs()
+        wall = time.time() - time.perf_counter()
+        history, t, guards = self.history, self.totals, self.guards
+        add, check, nan, absent = history.add, guards.check_step, math.nan, dv.ABSENT
+        hist, step_sum, buckets = t.step_hist, t.step_sum, STEP_DURATION_BUCKETS
+        scaler, last, elapsed = self.scaler, rows[-1], 0.0
+        for row in rows:
+            step, end, seconds, wait, loss, gn, scale, probe = row
+            rec = StepRecord(step, wall + end, nan, nan, seconds, wait, nan, nan, nan, probe)
+            add(rec)
+            hist[bisect_left(buckets, seconds)] += 1
+            step_sum += seconds
+            elapsed += seconds
+            if read_memory and row is last:
+                self._read_memory(step, end)
+            both = loss + gn
+            if both - both != 0:  # rare: a non-finite row is folded in at once (see step)
+                t.nonfinite_loss += not math.isfinite(loss)
+                t.nonfinite_grad += gn != absent and not math.isfinite(gn)
+            tripped = check(step, loss, None if gn == absent else gn, history)
+            if tripped:
+                self._trip(tripped)
+            rec.loss = loss
+            rec.grad_norm = nan if gn == absent else gn
+            if scaler is not None:
                 if scale < self._last_scale:
-                    self.totals.amp_skipped += 1
+                    t.amp_skipped += 1
                 self._last_scale = self.latest.loss_scale = scale
+        t.step_sum = step_sum
+        self.latest.loss, self.latest.grad_norm = rec.loss, rec.grad_norm
+        # the next batch covers about readback_lag_seconds of steps
+        if self._batch_steps and elapsed > 0:
+            self._host_batch = max(1, min(dv.ROWS, int(self.config.readback_lag_seconds * len(rows) / elapsed)))
+
+    def _absorb_values(self, rec: StepRecord | None, step: int, loss: float, raw_gn: float, scale: float) -> None:
+        """Fold one read-back step's values in (``_absorb_host`` does the same, inline)."""
+        gn = None if raw_gn == dv.ABSENT else raw_gn
+        t = self.totals
+        t.nonfinite_loss += not math.isfinite(loss)
+        t.nonfinite_grad += gn is not None and not math.isfinite(gn)
+        tripped = self.guards.check_step(step, loss, gn, self.history)
+        if tripped:
+            self._trip(tripped)
+        gn_value = math.nan if gn is None else gn
+        if rec is not None:
+            rec.loss, rec.grad_norm = loss, gn_value
+        self.latest.loss, self.latest.grad_norm = loss, gn_value
+        if self.scaler is not None:
+            if scale < self._last_scale:
+                t.amp_skipped += 1
+            self._last_scale = self.latest.loss_scale = scale
 
     def _trip(self, tripped: list[tuple[str, str]]) -> None:
         for guard, detail in tripped:
@@ -241,6 +346,7 @@ class Patrol:
 
     def evaluate(self, val_loss: float | torch.Tensor) -> None:
         """Record a validation loss (evaluation is off the hot path, so a tensor is read here)."""
+        self._absorb_host()
         self.latest.validation_loss = float(val_loss)
 
     # --- control ------------------------------------------------------------------------------
@@ -283,14 +389,15 @@ class Patrol:
 
     def boundary(self) -> None:
         """The step boundary: exchange the control word when due and carry out agreed actions."""
+        if not self._pending and not self.coordinator.distributed:
+            return
         if self.totals.micro_steps % self.config.grad_accum_steps:
             return
         start = time.perf_counter()
         step = self.totals.steps
-        if not self.coordinator.distributed and not self._pending:
-            return
         if not self.coordinator.due(step):
             return
+        self._absorb_host()  # the control word carries the recent step time
         agreed = self.coordinator.exchange(step, self.control_word())
         self.latest.interval_steps = self.coordinator.interval
         self._probe_since_step += time.perf_counter() - start
@@ -302,7 +409,10 @@ class Patrol:
 
     # --- state out ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """The push payload (see trainpatrol.protocol.RankSnapshot)."""
+        """The push payload (see trainpatrol.protocol.RankSnapshot). From the training thread it holds
+        every step so far; from the publisher's, CPU values may be ``readback_lag_seconds`` late, as on CUDA."""
+        if self._rows and threading.get_ident() == self._owner:
+            self._absorb_host()
         self._seq += 1
         ident = self.identity
         return {
@@ -326,11 +436,13 @@ class Patrol:
     # --- restore, close, OOM forensics --------------------------------------------------------
     def restore(self, path: str | Path = "latest") -> int:
         """Load model, optimizer, scheduler, scaler, RNG and extra state; returns the step."""
+        self._absorb_host()
         return self.executor.restore(path)
 
     def close(self) -> None:
         if self.state == "closed":
             return
+        self._absorb_host()
         self._flush()
         self._absorb(self._readback.drain())
         if self.state not in ("stopped",):
@@ -349,6 +461,7 @@ class Patrol:
 
     def oom_forensics(self, exc: BaseException) -> Path:
         """Write an evidence directory for an OOM and push a final snapshot; the caller re-raises."""
+        self._absorb_host()
         self._flush()
         self._absorb(self._readback.poll())
         if self._memory_reader is not None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
-from itertools import islice
 from dataclasses import asdict, dataclass
+from itertools import islice
+from operator import attrgetter
 from statistics import median
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     step: int
     time: float
@@ -24,8 +26,13 @@ class StepRecord:
     probe_seconds: float = 0.0
 
 
-def _finite(values: list[float]) -> list[float]:
-    return [v for v in values if math.isfinite(v)]
+_STEP = attrgetter("step")
+
+
+def finite(values: list[float]) -> list[float]:
+    """``values`` without NaN and Inf; one C-level sum decides whether any needs filtering."""
+    total = sum(values)
+    return values if total - total == 0 else list(filter(math.isfinite, values))
 
 
 class History:
@@ -34,26 +41,39 @@ class History:
     def __init__(self, window: int = 100, keep: int = 1024) -> None:
         self.window = window
         self.records: deque[StepRecord] = deque(maxlen=max(keep, window))
-        self._by_step: dict[int, StepRecord] = {}
+        self._ascending = True
+        """Every step recorded so far was above the one before (no restore to an earlier step)."""
 
     def record(self, step: int, now: float) -> StepRecord:
         rec = StepRecord(step, now)
-        if len(self.records) == self.records.maxlen:
-            self._by_step.pop(self.records[0].step, None)
-        self.records.append(rec)
-        self._by_step[step] = rec
+        self.add(rec)
         return rec
 
+    def add(self, rec: StepRecord) -> None:
+        records = self.records
+        if records and rec.step <= records[-1].step:
+            self._ascending = False
+        records.append(rec)
+
     def get(self, step: int) -> StepRecord | None:
-        return self._by_step.get(step)
+        """The newest record of ``step``, if still held."""
+        records = self.records
+        if not records:
+            return None
+        if not self._ascending:
+            return next((r for r in reversed(records) if r.step == step), None)
+        i = len(records) - 1 - (records[-1].step - step)  # where it is when no step was skipped
+        if not 0 <= i < len(records) or records[i].step != step:
+            i = bisect_left(records, step, key=_STEP)
+        return records[i] if i < len(records) and records[i].step == step else None
 
     def recent(self, n: int | None = None) -> list[StepRecord]:
-        n = self.window if n is None else n
-        size = len(self.records)
-        return list(islice(self.records, max(0, size - n), size))
+        out = list(islice(reversed(self.records), max(0, self.window if n is None else n)))
+        out.reverse()  # walked from the newest end: O(n), not O(len(records))
+        return out
 
     def values(self, field: str, n: int | None = None) -> list[float]:
-        return _finite([getattr(r, field) for r in self.recent(n)])
+        return finite([getattr(r, field) for r in self.recent(n)])
 
     def mean(self, field: str) -> float:
         vals = self.values(field)
