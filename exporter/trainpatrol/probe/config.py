@@ -30,7 +30,7 @@ class PatrolConfig:
     """Steps over which window statistics (mean, max, ratios, slope) are computed."""
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step; Patrol.step() is called once per micro-step."""
-    readback_lag_seconds: float = 0.02
+    readback_lag_seconds: float = 0.1
     """Step values reach history and guards in batches covering about this much time (at most 16
     steps): on CUDA one copy to the host per batch, so fast steps pay for fewer kernel launches; on
     CPU one warm loop per batch. Guards see them that much later, except a non-finite value on CPU
