@@ -108,7 +108,7 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "rank_up", "gauge", "", "1 while the rank pushed within the liveness TTL.", "run", "rank"),
     _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
     _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),
-    _a(P + "pushes_total", "counter", "", "Push requests received, by outcome.", "outcome"),
+    _a(P + "pushes_total", "counter", "", "Push requests received, by outcome: ok, invalid, unauthorized, too_large.", "outcome"),
     _a(P + "webhook_alerts_total", "counter", "", "Alerts received on the Alertmanager webhook, by outcome.", "outcome"),
     _a(P + "control_commands_total", "counter", "", "Control commands queued for ranks, by action and source.", "action", "source"),
     _a(P + "forwarded_alerts_total", "counter", "", "Alerts forwarded to peer agents, by outcome.", "outcome"),

@@ -15,6 +15,11 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 
 from .. import __version__
+from ..catalogue import BY_NAME
+
+
+def _help(name: str) -> str:
+    return BY_NAME[name].help
 
 
 class AgentStats:
@@ -34,22 +39,18 @@ class AgentStats:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        info = InfoMetricFamily("trainpatrol_agent", "Agent identity.")
+        info = InfoMetricFamily("trainpatrol_agent", _help("trainpatrol_agent_info"))
         info.add_metric([], {"version": __version__, "host": socket.gethostname(), "mode": self.mode})
         yield info
         with self._lock:
-            for name, help_, counter in (
-                ("trainpatrol_pushes", "Push requests received, by outcome.", self.pushes),
-                ("trainpatrol_webhook_alerts", "Alerts received on the Alertmanager webhook, by outcome.",
-                 self.alerts),
-                ("trainpatrol_forwarded_alerts", "Alerts forwarded to peer agents, by outcome.", self.forwarded),
-            ):
-                fam = CounterMetricFamily(name, help_, labels=["outcome"])
+            for name, counter in (("trainpatrol_pushes", self.pushes), ("trainpatrol_webhook_alerts", self.alerts),
+                                  ("trainpatrol_forwarded_alerts", self.forwarded)):
+                fam = CounterMetricFamily(name, _help(name + "_total"), labels=["outcome"])
                 for key, value in sorted(counter.items()):
                     fam.add_metric([str(key)], value)
                 yield fam
-            fam = CounterMetricFamily("trainpatrol_control_commands", "Control commands queued for ranks, by "
-                                      "action and source.", labels=["action", "source"])
+            fam = CounterMetricFamily("trainpatrol_control_commands", _help("trainpatrol_control_commands_total"),
+                                      labels=["action", "source"])
             for (action, source), value in sorted(self.commands.items()):
                 fam.add_metric([action, source], value)
             yield fam
