@@ -5,6 +5,7 @@ Every wait is bounded; every process is killed on exit.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
@@ -46,6 +47,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1
             last_exc = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last error: {last_exc!r}")
+
+
+def answer_json(handler: http.server.BaseHTTPRequestHandler, status: int, body: Any) -> None:
+    """Reply from a test HTTP server's handler with ``body`` as JSON."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def http_get(url: str, timeout: float = 2.0) -> bytes:

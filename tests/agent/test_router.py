@@ -22,7 +22,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from loops import scripted_patrol
-from servers import agent, free_port, http_get, http_json, wait_for
+from servers import agent, answer_json, free_port, http_get, http_json, wait_for
 from trainpatrol.agent.alerts import Alert, command_id
 from trainpatrol.agent.router import FORWARDED_HEADER
 
@@ -51,12 +51,7 @@ class Spy(http.server.ThreadingHTTPServer):
         class Handler(http.server.BaseHTTPRequestHandler):
             def _answer(self, status: int, body: Any) -> None:
                 spy.requests.append(f"{self.command} {self.path}")
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer_json(self, status, body)
 
             def do_GET(self) -> None:
                 self._answer(200, {"runs": [{"run": r} for r in ("B", "P", "ghost", "nowhere")]})

@@ -29,6 +29,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from servers import answer_json
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "trainpatrol"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -535,12 +537,7 @@ class _FakeKubeAPI(BaseHTTPRequestHandler):
         if body is None:
             status, body = 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                  "reason": "NotFound", "code": 404}
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        answer_json(self, status, body)
 
 
 @pytest.fixture
