@@ -109,9 +109,16 @@ class Agent:
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=200)
         self.api = self._build()
-        self.app = HotPaths(self.api, store=self.store, ranks=self.ranks, stats=self.stats, token=config.token,
+        self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
                             max_body=config.max_push_bytes, metrics=lambda: exposition(self.registry),
                             health=self._health)
+
+    def accept_push(self, snapshot: RankSnapshot) -> list[Command]:
+        """Store a valid, authorised push and format its lines; returns the commands for its reply."""
+        commands = self.store.push(snapshot)
+        self.ranks.prepare(snapshot)
+        self.stats.count("pushes", "ok")
+        return commands
 
     def _health(self) -> dict[str, Any]:
         return {"status": "ok", "mode": self.config.mode, "version": __version__}
@@ -161,10 +168,7 @@ class Agent:
             except HTTPException:
                 self.stats.count("pushes", "unauthorized")
                 raise
-            self.stats.count("pushes", "ok")
-            commands = self.store.push(snapshot)
-            self.ranks.prepare(snapshot)
-            return PushReply(commands=commands)
+            return PushReply(commands=self.accept_push(snapshot))
 
         @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action")
         def runs() -> dict[str, Any]:

@@ -9,10 +9,14 @@ from fastapi import HTTPException, Request
 from .config import is_loopback
 
 
-def _presented(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
+def bearer(authorization: str) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header value, else ""."""
+    scheme, _, value = authorization.partition(" ")
     return value.strip() if scheme.lower() == "bearer" else ""
+
+
+def _presented(request: Request) -> str:
+    return bearer(request.headers.get("authorization", ""))
 
 
 def token_ok(expected: str, presented: str) -> bool:
@@ -32,10 +36,18 @@ def require_control(request: Request, expected: str) -> None:
         raise HTTPException(401, "No token is configured, so only loopback callers may use the control API.")
 
 
+PUSH_REFUSED = "Pushes from other hosts must carry the bearer token."
+
+
+def push_allowed(client_host: str | None, authorization: str, expected: str) -> bool:
+    """Pushes come from loopback without a token, or carry the right one."""
+    presented = bearer(authorization)
+    if client_host is not None and is_loopback(client_host) and not presented:
+        return True
+    return token_ok(expected, presented)
+
+
 def require_push(request: Request, expected: str) -> None:
-    """Pushes come from loopback or carry the token."""
-    if client_is_loopback(request) and not _presented(request):
-        return
-    if not token_ok(expected, _presented(request)):
-        raise HTTPException(401, "Pushes from other hosts must carry the bearer token.",
-                            headers={"WWW-Authenticate": "Bearer"})
+    host = request.client.host if request.client is not None else None
+    if not push_allowed(host, request.headers.get("authorization", ""), expected):
+        raise HTTPException(401, PUSH_REFUSED, headers={"WWW-Authenticate": "Bearer"})

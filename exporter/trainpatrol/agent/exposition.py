@@ -29,10 +29,6 @@ class RenderedFamily(Metric):
         self._parts: list[tuple[RenderedFamily.SamplesFn, str]] = []
         super().__init__(name, documentation, typ, unit)
 
-    def add_part(self, samples: list[Sample], text: str) -> None:
-        """Samples and the same samples formatted as exposition lines."""
-        self._parts.append((lambda: samples, text))
-
     def add_lazy(self, text: str, samples: SamplesFn) -> None:
         """Formatted lines, and a function that builds the same samples if anyone asks for them."""
         self._parts.append((samples, text))

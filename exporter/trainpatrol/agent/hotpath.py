@@ -21,11 +21,8 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..collectors.agent_self import AgentStats
-from ..collectors.ranks import RankCollector
-from ..protocol import PushReply, RankSnapshot
-from .auth import token_ok
-from .config import is_loopback
-from .store import RankStore
+from ..protocol import Command, PushReply, RankSnapshot
+from .auth import PUSH_REFUSED, push_allowed
 
 JSON = b"application/json"
 _EMPTY_REPLY = PushReply().model_dump_json().encode()
@@ -40,10 +37,11 @@ class BodyTooLarge(Exception):
 class HotPaths:
     """ASGI middleware: pushes, scrapes and health checks without the framework's per-request cost."""
 
-    def __init__(self, app: ASGIApp, *, store: RankStore, ranks: RankCollector, stats: AgentStats, token: str,
-                 max_body: int, metrics: Callable[[], bytes], health: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, app: ASGIApp, *, accept: Callable[[RankSnapshot], list[Command]], stats: AgentStats,
+                 token: str, max_body: int, metrics: Callable[[], bytes],
+                 health: Callable[[], dict[str, Any]]) -> None:
         self.app = app
-        self.store, self.ranks, self.stats = store, ranks, stats
+        self.accept, self.stats = accept, stats
         self.token, self.max_body = token, max_body
         self.metrics, self.health = metrics, health
 
@@ -69,10 +67,11 @@ class HotPaths:
             self.stats.count("pushes", "too_large")
             await _problem(send, 413, exc.detail)
             return
-        if not self._authorized(scope, headers.get(b"authorization", b"").decode("latin-1")):
+        client = scope.get("client")
+        if not push_allowed(client[0] if client else None, headers.get(b"authorization", b"").decode("latin-1"),
+                            self.token):
             self.stats.count("pushes", "unauthorized")
-            await _problem(send, 401, "Pushes from other hosts must carry the bearer token.",
-                           [(b"www-authenticate", b"Bearer")])
+            await _problem(send, 401, PUSH_REFUSED, [(b"www-authenticate", b"Bearer")])
             return
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if content_type != JSON:
@@ -86,9 +85,7 @@ class HotPaths:
             self.stats.count("pushes", "invalid")
             await _invalid(send, exc)
             return
-        commands = self.store.push(snapshot)
-        self.ranks.prepare(snapshot)
-        self.stats.count("pushes", "ok")
+        commands = self.accept(snapshot)
         reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
         await _answer(send, 200, reply, JSON)
 
@@ -108,15 +105,6 @@ class HotPaths:
             chunks.append(chunk)
             more = message.get("more_body", False)
         return b"".join(chunks)
-
-    def _authorized(self, scope: Scope, authorization: str) -> bool:
-        """Loopback callers without a token, or anyone with the right bearer token."""
-        scheme, _, value = authorization.partition(" ")
-        presented = value.strip() if scheme.lower() == "bearer" else ""
-        client = scope.get("client")
-        if client and is_loopback(client[0]) and not presented:
-            return True
-        return token_ok(self.token, presented)
 
 
 def _too_large(length: str, limit: int) -> str:

@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import islice
 
 from .memory import MemoryReading
 from .window import History, finite
@@ -128,7 +127,7 @@ class Guards:
 
     def _refresh(self, step: int, history: History) -> None:
         c = self.config
-        window = list(islice(reversed(history.records), max(0, c.median_window)))  # any order will do
+        window = history.recent(c.median_window)
         losses = finite([r.loss for r in window])
         norms = finite([r.grad_norm for r in window])
         self._samples = len(losses)

@@ -272,11 +272,8 @@ class Patrol:
     def _absorb(self, values: list[tuple[tuple[int, int], list[float]]]) -> None:
         """Fold read-back device values (late by a step or a few) into history, totals and guards."""
         for (first, rows), v in values:
-            self._absorb_rows(dv.unpack(first, rows, v))
-
-    def _absorb_rows(self, rows: list[tuple[int, float, float, float]]) -> None:
-        for step, loss, raw_gn, scale in rows:
-            self._absorb_values(self.history.get(step), step, loss, raw_gn, scale)
+            for step, loss, raw_gn, scale in dv.unpack(first, rows, v):
+                self._absorb_values(self.history.get(step), step, loss, raw_gn, scale)
 
     def _absorb_host(self, read_memory: bool = False) -> None:
         """Fold the pending CPU rows into history, totals and guards in step order, each as ``_step_device``

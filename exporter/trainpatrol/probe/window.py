@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
 from dataclasses import asdict, dataclass
 from itertools import islice
-from operator import attrgetter
 from statistics import median
 from typing import Any
 
@@ -26,9 +24,6 @@ class StepRecord:
     probe_seconds: float = 0.0
 
 
-_STEP = attrgetter("step")
-
-
 def finite(values: list[float]) -> list[float]:
     """``values`` without NaN and Inf; one C-level sum decides whether any needs filtering."""
     total = sum(values)
@@ -41,8 +36,6 @@ class History:
     def __init__(self, window: int = 100, keep: int = 1024) -> None:
         self.window = window
         self.records: deque[StepRecord] = deque(maxlen=max(keep, window))
-        self._ascending = True
-        """Every step recorded so far was above the one before (no restore to an earlier step)."""
 
     def record(self, step: int, now: float) -> StepRecord:
         rec = StepRecord(step, now)
@@ -50,22 +43,18 @@ class History:
         return rec
 
     def add(self, rec: StepRecord) -> None:
-        records = self.records
-        if records and rec.step <= records[-1].step:
-            self._ascending = False
-        records.append(rec)
+        self.records.append(rec)
 
     def get(self, step: int) -> StepRecord | None:
-        """The newest record of ``step``, if still held."""
+        """The newest record of ``step``, if still held: where consecutive steps put it, else the
+        first one found walking back from the newest (skipped steps, a restore to an earlier step)."""
         records = self.records
         if not records:
             return None
-        if not self._ascending:
-            return next((r for r in reversed(records) if r.step == step), None)
-        i = len(records) - 1 - (records[-1].step - step)  # where it is when no step was skipped
-        if not 0 <= i < len(records) or records[i].step != step:
-            i = bisect_left(records, step, key=_STEP)
-        return records[i] if i < len(records) and records[i].step == step else None
+        i = len(records) - 1 - (records[-1].step - step)
+        if 0 <= i < len(records) and records[i].step == step:
+            return records[i]
+        return next((r for r in reversed(records) if r.step == step), None)
 
     def recent(self, n: int | None = None) -> list[StepRecord]:
         out = list(islice(reversed(self.records), max(0, self.window if n is None else n)))
