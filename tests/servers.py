@@ -103,6 +103,29 @@ def serving(cmd: list[str], log: Path, port: int, ready_path: str, timeout: floa
 
 
 @contextmanager
+def agent_in_thread(app: Any, port: int | None = None) -> Iterator[int]:
+    """uvicorn serving ``app`` (an in-process ``Agent.app``) on 127.0.0.1 from a thread; yields its port.
+
+    For tests that drive a real HTTP server and look at the same ``Agent`` object."""
+    import threading
+
+    import uvicorn
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 10, what="uvicorn started")
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@contextmanager
 def agent(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Iterator[str]:
     """A real ``trainpatrol agent`` process; yields its base URL."""
     port = port or free_port()

@@ -6,6 +6,7 @@ Cumulative values travel as totals, so an agent restart loses nothing: the next 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,15 +20,20 @@ _LABELS = {m.name: frozenset(m.labels) for m in RANK_METRICS if m.kind != "histo
 """Each pushable rank metric's own label names (the histogram travels apart)."""
 
 
-class Sample(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(max_length=128)
-    labels: dict[str, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict, max_length=16)
-    value: float
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One series of a rank metric. A plain dataclass, which pydantic validates as it would a model:
+    the agent builds one per changed value of every delta push, ten times cheaper than a model."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # strict per field: a strict dataclass refuses dicts
+    name: Annotated[str, Field(max_length=128, strict=True)]
+    labels: Annotated[dict[str, Annotated[str, Field(max_length=256, strict=True)]], Field(max_length=16)] = \
+        field(default_factory=dict)
+    value: Annotated[float, Field(strict=True)]
 
 
 class Histogram(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: Literal["trainpatrol_step_duration_seconds"] = "trainpatrol_step_duration_seconds"
     counts: list[float] = Field(description="Cumulative counts per bucket bound, the +Inf bucket last.")
     sum: float = Field(ge=0)
@@ -45,6 +51,7 @@ class Histogram(BaseModel):
 class ActionRecord(BaseModel):
     """What a rank did about one command."""
 
+    model_config = ConfigDict(strict=True)
     id: int
     action: Action
     outcome: Literal["ok", "failed", "skipped"]
@@ -58,7 +65,7 @@ class ActionRecord(BaseModel):
 class RankSnapshot(BaseModel):
     """One rank's state as pushed about once a second."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     run: str = Field(pattern=RUN_PATTERN)
     rank: int = Field(ge=0, le=1_000_000)
     local_rank: int = Field(default=0, ge=0, le=100_000)
@@ -101,6 +108,41 @@ class RankSnapshot(BaseModel):
         return self
 
 
+class SnapshotDelta(RankSnapshot):
+    """A line of a push stream (agent.push_stream): a whole snapshot, or, with ``changed``, one
+    that names only the sample values that changed since the same rank's last line on that stream.
+    Every other field travels whole. Most of a rank's samples (info, settings, guard and action
+    counters) do not move from one push to the next, and each sample costs the agent validation
+    and formatting."""
+
+    changed: list[tuple[Annotated[int, Field(ge=0)], float]] | None = Field(default=None, max_length=4096)
+    """(index into the samples of the rank's last line, new value); None for a whole snapshot."""
+
+    def whole(self, base: RankSnapshot | None) -> RankSnapshot:
+        """This line made whole, given the rank's last snapshot on the same stream: a delta takes
+        the base's samples, its own objects where unchanged, with the changed values put in.
+
+        Raises ``ValueError`` for a delta without a base from the same Patrol, or with an index
+        outside the base's samples."""
+        if self.changed is None:
+            return self
+        if self.samples:
+            raise ValueError("A delta line carries `changed`, not `samples`.")
+        if base is None or base.instance != self.instance:
+            raise ValueError(f"A delta line needs a whole snapshot of run {self.run!r} rank {self.rank} "
+                             "earlier on the same stream; send one.")
+        samples = list(base.samples)
+        for index, value in self.changed:
+            if index >= len(samples):
+                raise ValueError(f"changed: sample index {index} is outside the {len(samples)} samples "
+                                 "of the rank's last whole snapshot.")
+            old = samples[index]
+            samples[index] = Sample(name=old.name, labels=old.labels, value=value)
+        # in place, as validation would have set them: a new model per push cost more than the push
+        self.__dict__.update(samples=samples, changed=None)
+        return self
+
+
 class Command(BaseModel):
     """An action for a run, as carried to ranks in push replies."""
 
@@ -120,6 +162,6 @@ class PushReply(BaseModel):
 
 
 class ActionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     action: Action
     reason: str = Field(default="", max_length=1024)

@@ -111,7 +111,7 @@ class Agent:
         self.api = self._build()
         self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
                             max_body=config.max_push_bytes, metrics=lambda: exposition(self.registry),
-                            health=self._health)
+                            health=self._health, stream_idle_seconds=config.rank_expire_seconds)
 
     def accept_push(self, snapshot: RankSnapshot) -> list[Command]:
         """Store a valid, authorised push and format its lines; returns the commands for its reply."""
@@ -246,4 +246,30 @@ class Agent:
             except Exception as exc:
                 return {"available": False, "reason": str(exc)}
 
+        _document_push_stream(app)
         return app
+
+
+def _document_push_stream(app: FastAPI) -> None:
+    """Adds ``POST /v1/push/stream`` (agent.push_stream) to the OpenAPI schema. Only the hot path
+    serves it: a FastAPI route would have to read a body that never ends before it could answer."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        ndjson = {"application/x-ndjson": {"schema": {"$ref": "#/components/schemas/RankSnapshot"}}}
+        schema["paths"].setdefault("/v1/push/stream", {"post": {
+            "summary": "A rank's pushes on one kept-open request: a snapshot or delta per NDJSON line",
+            "operationId": "push_stream",
+            "description": "Answers 200 at once, then streams NDJSON: a line with the commands for a rank "
+                           "after its snapshot, a line per refused input line, and a summary when the body "
+                           "ends. See agent/push_stream.py.",
+            "requestBody": {"required": True, "content": ndjson},
+            "responses": {"200": {"description": "Streamed NDJSON answer",
+                                  "content": {"application/x-ndjson": {"schema": {"type": "object"}}}},
+                          **{str(code): {"description": _PROBLEMS[code], "content": {"application/json": {
+                              "schema": {"$ref": "#/components/schemas/Problem"}}}} for code in (401, 422)}},
+        }})
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,9 +1,10 @@
-"""The three requests that arrive many times a second, answered in plain ASGI before FastAPI.
+"""The requests that arrive many times a second, answered in plain ASGI before FastAPI.
 
 Every rank pushes about once a second and Prometheus scrapes /metrics; at 64 ranks FastAPI's
 routing, dependency solving and response models cost more CPU than the work itself (bench/scrape.py).
-``HotPaths`` answers ``POST /v1/push``, ``GET /metrics`` and ``GET /healthz`` directly and hands
-everything else to the FastAPI app, which still documents these routes in its OpenAPI schema.
+``HotPaths`` answers ``POST /v1/push``, ``POST /v1/push/stream`` (agent.push_stream), ``GET /metrics``
+and ``GET /healthz`` directly and hands everything else to the FastAPI app, which still documents
+these routes in its OpenAPI schema.
 Answers are those FastAPI gave: 413 over the body limit, 401 without the token, 422 with the
 validation errors under ``body``. One difference: the token is checked before the body is parsed.
 
@@ -23,6 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..collectors.agent_self import AgentStats
 from ..protocol import Command, PushReply, RankSnapshot
 from .auth import PUSH_REFUSED, push_allowed
+from .problems import too_large, validation_problem
+from .push_stream import NDJSON, PushStream
 
 JSON = b"application/json"
 _EMPTY_REPLY = PushReply().model_dump_json().encode()
@@ -39,17 +42,24 @@ class HotPaths:
 
     def __init__(self, app: ASGIApp, *, accept: Callable[[RankSnapshot], list[Command]], stats: AgentStats,
                  token: str, max_body: int, metrics: Callable[[], bytes],
-                 health: Callable[[], dict[str, Any]]) -> None:
+                 health: Callable[[], dict[str, Any]], stream_idle_seconds: float) -> None:
         self.app = app
         self.accept, self.stats = accept, stats
         self.token, self.max_body = token, max_body
         self.metrics, self.health = metrics, health
+        self.stream = PushStream(accept=accept, stats=stats, max_line=max_body, idle_seconds=stream_idle_seconds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             method, path = scope["method"], scope["path"]
             if path == "/v1/push" and method == "POST":
                 await self._push(scope, receive, send)
+                return
+            if path == "/v1/push/stream" and method == "POST":
+                headers = dict(scope["headers"])
+                if await self._refused(scope, headers, send, (NDJSON, JSON)):
+                    return
+                await self.stream.serve(receive, send)
                 return
             if path == "/metrics" and method == "GET":
                 await _answer(send, 200, self.metrics(), CONTENT_TYPE_LATEST.encode())
@@ -67,32 +77,41 @@ class HotPaths:
             self.stats.count("pushes", "too_large")
             await _problem(send, 413, exc.detail)
             return
-        client = scope.get("client")
-        if not push_allowed(client[0] if client else None, headers.get(b"authorization", b"").decode("latin-1"),
-                            self.token):
-            self.stats.count("pushes", "unauthorized")
-            await _problem(send, 401, PUSH_REFUSED, [(b"www-authenticate", b"Bearer")])
-            return
-        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if content_type != JSON:
-            self.stats.count("pushes", "invalid")
-            await _problem(send, 422, f"Invalid request: body: Content-Type must be application/json, "
-                                      f"not {content_type.decode('latin-1')!r}.")
+        if await self._refused(scope, headers, send, (JSON,)):
             return
         try:
             snapshot = RankSnapshot.model_validate_json(body)
         except ValidationError as exc:
             self.stats.count("pushes", "invalid")
-            await _invalid(send, exc)
+            problem = validation_problem(exc)
+            await _problem(send, 422, problem["detail"], errors=problem["errors"])
             return
         commands = self.accept(snapshot)
         reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
         await _answer(send, 200, reply, JSON)
 
+    async def _refused(self, scope: Scope, headers: dict[bytes, bytes], send: Send,
+                       content_types: tuple[bytes, ...]) -> bool:
+        """Answers 401 without the token (pushes from other hosts) or 422 for another Content-Type."""
+        client = scope.get("client")
+        if not push_allowed(client[0] if client else None, headers.get(b"authorization", b"").decode("latin-1"),
+                            self.token):
+            self.stats.count("pushes", "unauthorized")
+            await _problem(send, 401, PUSH_REFUSED, [(b"www-authenticate", b"Bearer")])
+            return True
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if content_type not in content_types:
+            self.stats.count("pushes", "invalid")
+            wanted = " or ".join(t.decode() for t in content_types)
+            await _problem(send, 422, f"Invalid request: body: Content-Type must be {wanted}, "
+                                      f"not {content_type.decode('latin-1')!r}.")
+            return True
+        return False
+
     async def _body(self, length: bytes, receive: Receive) -> bytes:
         """The request body; ``BodyTooLarge`` by Content-Length or as a chunked body streams in."""
         if not length.isdigit() or int(length) > self.max_body:
-            raise BodyTooLarge(_too_large(length.decode("latin-1"), self.max_body))
+            raise BodyTooLarge(too_large(length.decode("latin-1"), self.max_body))
         chunks, seen, more = [], 0, True
         while more:
             message = await receive()
@@ -101,14 +120,10 @@ class HotPaths:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.max_body:
-                raise BodyTooLarge(_too_large(f"more than {self.max_body}", self.max_body))
+                raise BodyTooLarge(too_large(f"more than {self.max_body}", self.max_body))
             chunks.append(chunk)
             more = message.get("more_body", False)
         return b"".join(chunks)
-
-
-def _too_large(length: str, limit: int) -> str:
-    return f"Request body of {length} bytes is over the limit of {limit} bytes."
 
 
 async def _answer(send: Send, status: int, body: bytes, content_type: bytes,
@@ -125,18 +140,3 @@ async def _problem(send: Send, status: int, detail: str, headers: list[tuple[byt
     if errors is not None:
         problem["errors"] = errors
     await _answer(send, status, json.dumps(problem).encode(), JSON, headers)
-
-
-async def _invalid(send: Send, exc: ValidationError) -> None:
-    """422 as the FastAPI handler words it: the first error in ``detail``, all of them under ``body``."""
-    errors: list[dict[str, Any]] = json.loads(json.dumps(exc.errors(include_url=False), default=_printable))
-    for e in errors:
-        e["loc"] = ["body", *e["loc"]]
-    first = errors[0] if errors else {}
-    where = ".".join(str(x) for x in first.get("loc", ()))
-    await _problem(send, 422, f"Invalid request: {where}: {first.get('msg', 'malformed')}", errors=errors)
-
-
-def _printable(value: object) -> str:
-    """JSON for what pydantic puts in an error: the raw input (maybe not UTF-8) or an exception."""
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

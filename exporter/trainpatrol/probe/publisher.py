@@ -1,18 +1,27 @@
 """Pushes the rank's snapshot to its agent about once a second, from a background thread.
 
-Pushes are bounded in time, retried with backoff, and a dropped push is counted; the training loop
-never waits for the agent. Commands in the agent's replies are handed to ``on_commands``.
+Pushes travel on one kept-open stream (probe.push_stream), so each costs the agent one chunk rather
+than one HTTP request; an agent without the stream gets one ``POST /v1/push`` per push. Pushes are
+bounded in time, retried with backoff, and a dropped push is counted; the training loop never
+waits for the agent. Commands in the agent's replies are handed to ``on_commands`` as they arrive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
+import select
+import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
+
+from .push_stream import PushStream, StreamRefused
+from .snapshot_delta import DeltaEncoder
 
 log = logging.getLogger("trainpatrol")
 
@@ -31,12 +40,17 @@ class Publisher:
         self._timeout = timeout
         self._max_backoff = max_backoff
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
         self._thread: threading.Thread | None = None
         self.dropped = 0
         self.delivered = 0
         self._conn: http.client.HTTPConnection | None = None
-        self._conn_lock = threading.Lock()
+        self._stream = PushStream(self._host, self._port, token, timeout)
+        self._delta = DeltaEncoder()
+        self.streaming = True
+        """False once the agent has shown it has no push stream (an older agent): one request per push."""
+        self._conn_lock = threading.RLock()
         self._failing = False
 
     def start(self) -> None:
@@ -53,26 +67,51 @@ class Publisher:
             return False
 
     def wake(self) -> None:
-        self._wake.set()
+        with contextlib.suppress(OSError):  # BlockingIOError: already awake; OSError: stopped
+            self._wake_w.send(b"!")
 
     def stop(self, final_push: bool = True) -> None:
         self._stop.set()
-        self._wake.set()
+        self.wake()
         if self._thread is not None:
             self._thread.join(timeout=self._timeout * 2 + 1)
         if final_push:
             self.push_now()
         with self._conn_lock:
+            if self._stream.is_open and final_push:
+                self._finish_stream()  # the agent has handled the final snapshot when this returns
+            self._stream.close()
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+        self._wake_r.close()
+        self._wake_w.close()
 
     def _loop(self) -> None:
         backoff = self.interval
         while not self._stop.is_set():
             backoff = self.interval if self.push_now() else min(backoff * 2, self._max_backoff)
-            self._wake.wait(backoff)
-            self._wake.clear()
+            self._wait(backoff)
+
+    def _wait(self, seconds: float) -> None:
+        """Until ``seconds`` pass or ``wake``; meanwhile hands on commands the agent streams back."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            watched: list[socket.socket | PushStream] = [self._wake_r]
+            if self._stream.is_open:
+                watched.append(self._stream)
+            try:
+                ready = select.select(watched, [], [], left)[0]
+            except (ValueError, OSError):
+                continue  # the training thread closed the stream meanwhile; watch the wake-up alone
+            if self._wake_r in ready:
+                self._wake_r.recv(4096)
+                return
+            if ready:
+                try:
+                    self._take_replies()
+                except Exception as exc:
+                    self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:
         self.dropped += 1
@@ -82,7 +121,66 @@ class Publisher:
         self._failing = True
 
     def _push_once(self) -> None:
-        body = json.dumps(self._snapshot()).encode()
+        snapshot = self._snapshot()
+        if self.streaming:
+            try:
+                self._push_on_stream(snapshot)
+                return
+            except StreamRefused as exc:
+                if exc.status not in (404, 405):
+                    raise
+                self.streaming = False
+                log.info("trainpatrol: agent %s:%d has no push stream; pushing one request at a time",
+                         self._host, self._port)
+        self._post(json.dumps(snapshot).encode())
+
+    def _push_on_stream(self, snapshot: dict[str, Any]) -> None:
+        with self._conn_lock:
+            try:
+                if not self._stream.is_open:
+                    self._stream.open()
+                    self._delta.reset()
+                self._stream.send(self._delta.encode(snapshot))
+            except OSError:
+                self._stream.close()
+                raise
+        self._delivered()
+        self._take_replies()
+
+    def _take_replies(self) -> None:
+        """Commands and refusals the agent has streamed back so far; a stream it ended is closed."""
+        with self._conn_lock:
+            if not self._stream.is_open:
+                return
+            try:
+                replies = self._stream.replies()
+            finally:
+                if self._stream.ended:
+                    self._stream.close()
+        self._handle(replies)
+
+    def _finish_stream(self) -> None:
+        try:
+            self._handle(self._stream.finish())
+        except Exception as exc:
+            self._failed(exc)
+
+    def _handle(self, replies: list[dict[str, Any]]) -> None:
+        for reply in replies:
+            if reply.get("commands"):
+                self._on_commands(reply["commands"])
+            elif "status" in reply:
+                with self._conn_lock:
+                    self._delta.reset()  # the agent dropped its base of our deltas
+                self._failed(RuntimeError(f"agent refused a push ({reply['status']}): {reply.get('detail')}"))
+
+    def _delivered(self) -> None:
+        if self._failing:
+            log.warning("trainpatrol: pushes to agent %s:%d work again", self._host, self._port)
+        self._failing = False
+        self.delivered += 1
+
+    def _post(self, body: bytes) -> None:
         headers = {"Content-Type": "application/json"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
@@ -100,10 +198,7 @@ class Publisher:
                 raise
         if resp.status != 200:
             raise RuntimeError(f"agent answered {resp.status}: {data[:300]!r}")
-        if self._failing:
-            log.warning("trainpatrol: pushes to agent %s:%d work again", self._host, self._port)
-        self._failing = False
-        self.delivered += 1
+        self._delivered()
         commands = json.loads(data).get("commands", [])
         if commands:
             self._on_commands(commands)

@@ -1,0 +1,27 @@
+"""How the push paths word a refusal: the same text for a single push and a line of a stream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+
+def too_large(length: str, limit: int) -> str:
+    return f"Request body of {length} bytes is over the limit of {limit} bytes."
+
+
+def validation_problem(exc: ValidationError) -> dict[str, Any]:
+    """As the FastAPI handler words a 422: the first error in ``detail``, all of them under ``body``."""
+    errors: list[dict[str, Any]] = json.loads(json.dumps(exc.errors(include_url=False), default=_printable))
+    for e in errors:
+        e["loc"] = ["body", *e["loc"]]
+    first = errors[0] if errors else {}
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    return {"detail": f"Invalid request: {where}: {first.get('msg', 'malformed')}", "errors": errors}
+
+
+def _printable(value: object) -> str:
+    """JSON for what pydantic puts in an error: the raw input (maybe not UTF-8) or an exception."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -1,0 +1,117 @@
+"""Issue 4: the Patrol's side of the push stream: deltas, chunk decoding, fallback, reconnects."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from typing import Any
+
+from servers import agent_in_thread, free_port, wait_for
+from trainpatrol.agent.app import Agent
+from trainpatrol.agent.config import AgentConfig
+from trainpatrol.probe.publisher import Publisher
+from trainpatrol.probe.push_stream import _Dechunker
+from trainpatrol.probe.snapshot_delta import DeltaEncoder
+from trainpatrol.protocol import Command
+
+
+def samples(*values: float, lr_groups: int = 1) -> list[dict[str, Any]]:
+    names = ["trainpatrol_loss", "trainpatrol_step_total", "trainpatrol_grad_norm"]
+    out = [{"name": n, "labels": {}, "value": v} for n, v in zip(names, values, strict=False)]
+    return out + [{"name": "trainpatrol_learning_rate", "labels": {"param_group": str(g)}, "value": 1e-3}
+                  for g in range(lr_groups)]
+
+
+def line(encoder: DeltaEncoder, snap_samples: list[dict[str, Any]], seq: int = 1) -> dict[str, Any]:
+    raw = encoder.encode({"run": "r", "rank": 0, "seq": seq, "samples": snap_samples})
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 1
+    return dict(json.loads(raw))
+
+
+def test_delta_encoder_sends_whole_then_only_what_changed() -> None:
+    enc = DeltaEncoder()
+    assert line(enc, samples(2.0, 10.0, 0.5))["samples"] == samples(2.0, 10.0, 0.5)
+    second = line(enc, samples(1.5, 20.0, 0.5), seq=2)
+    assert "samples" not in second and second["changed"] == [[0, 1.5], [1, 20.0]] and second["seq"] == 2
+    assert line(enc, samples(1.5, 20.0, 0.5))["changed"] == []
+    assert line(enc, samples(1.5, 20.0, -0.0))["changed"] == [[2, -0.0]]  # -0.0 prints apart from 0.0
+    nan = line(enc, samples(math.nan, 20.0, -0.0))["changed"]
+    assert len(nan) == 1 and nan[0][0] == 0 and math.isnan(nan[0][1])
+    assert line(enc, samples(math.nan, 20.0, -0.0))["changed"][0][0] == 0  # NaN never equals itself
+    assert "samples" in line(enc, samples(1.0, 20.0, 0.0, lr_groups=2))  # new series: whole again
+    enc.reset()
+    assert "samples" in line(enc, samples(1.0, 20.0, 0.0, lr_groups=2))
+
+
+def test_dechunker_gives_the_same_bytes_however_the_chunks_are_cut() -> None:
+    payload = [b'{"a": 1}\n', b"x" * 70000, b"", b'{"b": 2}\n']
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in payload if p) + b"0\r\n\r\n"
+    rng = random.Random(3)
+    for _ in range(20):
+        d, out, i = _Dechunker(), [], 0
+        while i < len(wire):
+            n = rng.randint(1, 9000)
+            out.append(d.feed(wire[i:i + n]))
+            i += n
+        assert b"".join(out) == b"".join(payload) and d.done
+
+
+def _patrol_like(run: str = "r") -> Any:
+    seq = [0]
+
+    def snapshot() -> dict[str, Any]:
+        seq[0] += 1
+        return {"run": run, "rank": 0, "world_size": 1, "instance": "p1", "seq": seq[0], "step": seq[0],
+                "samples": samples(3.0 - seq[0] * 0.01, float(seq[0]), 0.5)}
+    return snapshot
+
+
+def latest(agent: Agent) -> Any:
+    return agent.store.entries()[0].snapshot
+
+
+def test_publisher_streams_deltas_hears_commands_and_its_final_push_is_confirmed() -> None:
+    agent = Agent(AgentConfig(nvml=False).load())
+    heard: list[list[dict[str, Any]]] = []
+    with agent_in_thread(agent.app) as port:
+        pub = Publisher(f"http://127.0.0.1:{port}", _patrol_like(), heard.append, interval=0.05)
+        pub.start()
+        wait_for(lambda: pub.delivered >= 5, 10, what="five pushes")
+        agent.enqueue(Command(id=5, run="r", action="pause", created=time.time()))
+        wait_for(lambda: heard, 5, what="the command")
+        assert heard[0][0]["id"] == 5 and heard[0][0]["action"] == "pause"
+        pub.stop(final_push=True)
+        last = latest(agent)  # no waiting: stop() returns once the agent has handled the final line
+        assert last.seq == pub.delivered and last.samples[1].value == float(last.seq)
+        assert pub.streaming and pub.dropped == 0
+    assert agent.stats.pushes["ok"] == pub.delivered
+
+
+def test_publisher_falls_back_to_one_request_per_push_on_an_older_agent() -> None:
+    agent = Agent(AgentConfig(nvml=False).load())
+    with agent_in_thread(agent.api) as port:  # FastAPI alone: no /v1/push/stream
+        pub = Publisher(f"http://127.0.0.1:{port}", _patrol_like(), lambda c: None, interval=0.05)
+        pub.start()
+        wait_for(lambda: pub.delivered >= 3, 10, what="three pushes")
+        pub.stop(final_push=True)
+        assert not pub.streaming and pub.dropped == 0
+        assert latest(agent).seq == pub.delivered  # the snapshot whose stream was refused went by request
+
+
+def test_publisher_reconnects_to_a_restarted_agent_with_a_whole_line() -> None:
+    port = free_port()
+    first, second = Agent(AgentConfig(nvml=False).load()), Agent(AgentConfig(nvml=False).load())
+    pub = Publisher(f"http://127.0.0.1:{port}", _patrol_like(), lambda c: None, interval=0.05, max_backoff=0.2)
+    with agent_in_thread(first.app, port):
+        pub.start()
+        wait_for(lambda: pub.delivered >= 3, 10, what="pushes to the first agent")
+    with agent_in_thread(second.app, port):
+        wait_for(lambda: second.store.entries(), 10, what="pushes to the restarted agent")
+        assert len(latest(second).samples) == 4  # a whole snapshot: the new stream started over
+        seen = latest(second).seq
+        wait_for(lambda: latest(second).seq > seen + 2, 10, what="deltas on the new stream")
+        pub.stop(final_push=True)
+    assert pub.streaming
+    assert latest(second).samples[1].value == float(latest(second).seq)
