@@ -9,6 +9,7 @@ lines are byte for byte what ``generate_latest`` writes for the same samples, wh
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from math import copysign
 
@@ -25,11 +26,13 @@ from prometheus_client.utils import floatToGoString
 from ..catalogue import RANK_BY_NAME, RANK_METRICS, STEP_DURATION_BUCKETS
 from ..catalogue import Metric as CatalogueMetric
 from ..protocol import RankSnapshot
+from ..protocol import Sample as PushedSample
 
 BOUNDS = [str(b) for b in STEP_DURATION_BUCKETS] + ["+Inf"]
 _HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
 _ORDER = {m.name: sorted(m.all_labels) for m in RANK_METRICS}
 """Label names of each rank metric in exposition order (prometheus_client sorts them)."""
+_MAX = sys.float_info.max
 _INFO = {m.name for m in RANK_METRICS if m.kind == "info"}
 assert sorted([*RANK_BY_NAME[_HISTOGRAM].all_labels, "le"]) == ["le", "rank", "run"]  # bucket lines below
 
@@ -52,42 +55,83 @@ class Rendered:
     snapshot: RankSnapshot
     sample_lines: list[str]
     families: dict[str, str]
+    members: dict[str, list[int]]
+    """Family name -> the indices of its samples, in order."""
+
+
+def number(value: float) -> str:
+    """``floatToGoString(value)``: below 1e6, and finite, that is ``repr``, without a call."""
+    return repr(value) if -_MAX <= value < 1e6 else floatToGoString(value)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b and (a != 0.0 or copysign(1.0, a) == copysign(1.0, b))  # 0.0 and -0.0 print differently
 
 
 def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered:
     """Catalogue metric name -> the snapshot's exposition lines of that family.
 
-    A sample equal to the one at the same place in ``previous`` (the rank's last push) reuses its
-    line: info metrics, settings and most counters do not change from one push to the next."""
+    When the snapshot has the same series as ``previous`` (the rank's last push), only samples
+    whose value changed are formatted again, and only their families joined again: info metrics,
+    settings and most counters do not change from one push to the next, and a delta push
+    (protocol.SnapshotDelta) keeps the very sample objects it did not change."""
     base = {"run": _escape(snap.run), "rank": str(snap.rank)}
     plain = plain_labels(snap)
-    before = previous.snapshot.samples if previous is not None else []
-    sample_lines: list[str] = []
-    out: dict[str, list[str]] = {}
-    for i, s in enumerate(snap.samples):
-        old = before[i] if i < len(before) else None
-        if old is not None and old.value == s.value and old.name == s.name and old.labels == s.labels \
-                and (s.value or copysign(1.0, s.value) == copysign(1.0, old.value)):  # 0.0 and -0.0 differ
-            line = previous.sample_lines[i]  # type: ignore[union-attr]
+    samples = snap.samples
+    reuse = previous is not None and plain_labels(previous.snapshot) == plain
+    before = previous.snapshot.samples if previous is not None and reuse else []
+    if previous is not None and len(before) == len(samples):
+        lines, dirty = list(previous.sample_lines), set[str]()
+        for i, (s, old) in enumerate(zip(samples, before, strict=True)):
+            if s is old:
+                continue
+            if s.name != old.name:
+                break  # another layout: the families' members differ
+            if s.labels != old.labels or not _same(s.value, old.value):
+                lines[i] = _line(s, base, plain)
+                dirty.add(s.name)
         else:
-            if s.labels:
-                values = base | {k: _escape(v) for k, v in s.labels.items()}
-                block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[s.name]])
-            else:
-                block = plain
-            value = "1.0" if s.name in _INFO else floatToGoString(s.value)
-            line = f"{s.name}{{{block}}} {value}\n"
-        sample_lines.append(line)
-        out.setdefault(s.name, []).append(line)
-    h = snap.histogram
-    if h is not None:
-        name = _HISTOGRAM
-        lines = [f'{name}_bucket{{le="{le}",{plain}}} {floatToGoString(count)}\n'
-                 for le, count in zip(BOUNDS, h.counts, strict=False)]
-        lines.append(f"{name}_count{{{plain}}} {floatToGoString(h.counts[-1])}\n")
-        lines.append(f"{name}_sum{{{plain}}} {floatToGoString(h.sum)}\n")
-        out[_HISTOGRAM] = lines
-    return Rendered(snap, sample_lines, {name: "".join(lines) for name, lines in out.items()})
+            families = dict(previous.families)
+            for name in dirty:
+                families[name] = "".join([lines[i] for i in previous.members[name]])
+            _histogram(snap, plain, families, previous)
+            return Rendered(snap, lines, families, previous.members)
+    lines = []
+    members: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        prior = before[i] if i < len(before) else None
+        if prior is not None and prior.name == s.name and prior.labels == s.labels and _same(s.value, prior.value):
+            lines.append(previous.sample_lines[i])  # type: ignore[union-attr]
+        else:
+            lines.append(_line(s, base, plain))
+        members.setdefault(s.name, []).append(i)
+    families = {name: "".join([lines[i] for i in where]) for name, where in members.items()}
+    _histogram(snap, plain, families, None)
+    return Rendered(snap, lines, families, members)
+
+
+def _line(s: PushedSample, base: dict[str, str], plain: str) -> str:
+    if s.labels:
+        values = base | {k: _escape(v) for k, v in s.labels.items()}
+        block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[s.name]])
+    else:
+        block = plain
+    return f"{s.name}{{{block}}} {'1.0' if s.name in _INFO else number(s.value)}\n"
+
+
+def _histogram(snap: RankSnapshot, plain: str, families: dict[str, str], previous: Rendered | None) -> None:
+    h, old = snap.histogram, previous.snapshot.histogram if previous is not None else None
+    if h is None:
+        families.pop(_HISTOGRAM, None)
+        return
+    if old is not None and old.counts == h.counts and _same(old.sum, h.sum):
+        return  # families came from previous, with these very lines
+    name = _HISTOGRAM
+    lines = [f'{name}_bucket{{le="{le}",{plain}}} {number(count)}\n'
+             for le, count in zip(BOUNDS, h.counts, strict=False)]
+    lines.append(f"{name}_count{{{plain}}} {number(h.counts[-1])}\n")
+    lines.append(f"{name}_sum{{{plain}}} {number(h.sum)}\n")
+    families[name] = "".join(lines)
 
 
 def family(m: CatalogueMetric) -> Metric:
