@@ -12,7 +12,7 @@ from ..protocol import RUN_PATTERN, Command
 
 
 class Alert(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # strict: `false` is no integer
     status: Literal["firing", "resolved"]
     labels: dict[str, str]
     annotations: dict[str, str] = Field(default_factory=dict)
@@ -23,7 +23,7 @@ class Alert(BaseModel):
 
 
 class WebhookPayload(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # strict: `false` is no integer
     version: Literal["4"]
     groupKey: str = ""
     truncatedAlerts: int = 0
