@@ -3,15 +3,16 @@
 A rank pushes about once a second and NVML is sampled once a second, while Prometheus (or a
 person) may scrape much more often; formatting every sample on every scrape dominated the agent's
 CPU. Collectors yield ``RenderedFamily`` objects whose sample lines were formatted once per new
-reading (``render``); ``exposition`` writes those as they are and formats any other family on the
-spot. Plain samples take a short formatter, anything unusual goes to ``generate_latest``; the body
-is byte for byte what ``generate_latest(registry)`` gives (tests/agent/test_liveness.py checks).
+reading; ``exposition`` writes those as they are and formats any other family on the spot. Plain
+samples take a short formatter, anything unusual goes to ``generate_latest``; the body is byte for
+byte what ``generate_latest(registry)`` gives (tests/agent/test_liveness.py checks).
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
@@ -19,32 +20,37 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+SamplesFn = Callable[[], list[Sample]]
+"""Builds a rendered family's samples, for the rare reader that asks for ``Sample`` objects."""
+
 
 class RenderedFamily(Metric):
-    """A family made of parts whose sample lines were formatted once; ``samples`` joins them on demand."""
+    """A family whose sample lines were formatted once; ``samples`` are built only when asked for.
 
-    SamplesFn = Callable[[], list[Sample]]
+    Nothing changes it once made, so a collector may serve the same object to any number of
+    scrapes, on any thread."""
 
-    def __init__(self, name: str, documentation: str, typ: str, unit: str = "") -> None:
-        self._parts: list[tuple[RenderedFamily.SamplesFn, str]] = []
-        super().__init__(name, documentation, typ, unit)
+    header: bytes
+    """The family's ``# HELP`` and ``# TYPE`` lines, encoded."""
+    lines: bytes
+    """Its sample lines, encoded: most are served again and again as they are."""
 
-    def add_lazy(self, text: str, samples: SamplesFn) -> None:
-        """Formatted lines, and a function that builds the same samples if anyone asks for them."""
-        self._parts.append((samples, text))
-
-    @property  # type: ignore[override]
-    def samples(self) -> list[Sample]:
-        return [s for part, _ in self._parts for s in part()]
-
-    @samples.setter
-    def samples(self, samples: list[Sample]) -> None:
-        kept = list(samples)
-        self._parts = [(lambda: kept, _text(self.name, self.documentation, self.type, self.unit, kept))]
+    def __init__(self, name: str, documentation: str, typ: str, unit: str = "", lines: bytes = b"",
+                 samples: SamplesFn = list) -> None:
+        self.name, self.documentation, self.type, self.unit, self.header = _family(name, documentation, typ, unit)
+        self.lines = lines
+        self._samples = samples
 
     @property
-    def text(self) -> str:
-        return "".join(text for _, text in self._parts)
+    def samples(self) -> list[Sample]:  # type: ignore[override]  # read-only: built on demand
+        return self._samples()
+
+
+@functools.cache
+def _family(name: str, documentation: str, typ: str, unit: str) -> tuple[str, str, str, str, bytes]:
+    """Metric's checks and renaming, and the family's header: once per family, not once per scrape."""
+    m = Metric(name, documentation, typ, unit)
+    return m.name, m.documentation, m.type, m.unit, generate_latest(Families([m]))
 
 
 class Families(Collector):
@@ -63,7 +69,7 @@ _OPENMETRICS_ONLY = ("_created", "_gsum", "_gcount")
 
 
 def _plain(samples: list[Sample]) -> bool:
-    """True when ``_lines`` formats the samples exactly as ``generate_latest`` does."""
+    """True when ``sample_line`` formats the samples exactly as ``generate_latest`` does."""
     names: set[str] = set()
     labels: set[str] = set()
     for s in samples:
@@ -75,53 +81,46 @@ def _plain(samples: list[Sample]) -> bool:
             and all(_LABEL_NAME.match(k) for k in labels))
 
 
-def _text(name: str, documentation: str, typ: str, unit: str, samples: list[Sample]) -> str:
+def _text(m: Metric, samples: list[Sample]) -> str:
+    """The family's sample lines as ``generate_latest`` writes them."""
     if _plain(samples):
-        return _lines(samples)
-    m = Metric(name, documentation, typ, unit)  # anything unusual: prometheus_client, less the header
-    m.samples = list(samples)
-    return generate_latest(Families([m])).decode().split("\n", 2)[2]
+        return "".join([sample_line(s.name, s.labels, s.value) for s in samples])
+    copy = Metric(m.name, m.documentation, m.type, m.unit)  # anything unusual: prometheus_client, less the header
+    copy.samples = samples
+    return generate_latest(Families([copy])).decode().split("\n", 2)[2]
 
 
 def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    if "\\" in value or "\n" in value or '"' in value:
+        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    return value
 
 
-def _lines(samples: Iterable[Sample]) -> str:
-    out = []
-    for s in samples:
-        if s.labels:
-            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
-            out.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}\n")
-        else:
-            out.append(f"{s.name} {floatToGoString(s.value)}\n")
-    return "".join(out)
+def sample_line(name: str, labels: Mapping[str, str], value: float) -> str:
+    """One sample as ``generate_latest`` writes it, for a valid metric name and valid label names."""
+    if labels:
+        block = ",".join([f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())])
+        return f"{name}{{{block}}} {floatToGoString(value)}\n"
+    return f"{name} {floatToGoString(value)}\n"
 
 
 def render(families: Iterable[Metric]) -> list[RenderedFamily]:
     """The same families, each as a ``RenderedFamily`` carrying its formatted sample lines."""
     out = []
     for f in families:
-        r = RenderedFamily(f.name, f.documentation, f.type, f.unit)
-        r.samples = f.samples
-        out.append(r)
+        kept = list(f.samples)
+        out.append(RenderedFamily(f.name, f.documentation, f.type, f.unit, _text(f, kept).encode(),
+                                  functools.partial(list, kept)))
     return out
-
-
-_headers: dict[tuple[str, str, str, str], str] = {}
-
-
-def _header(m: Metric) -> str:
-    key = (m.name, m.documentation, m.type, m.unit)
-    if key not in _headers:
-        _headers[key] = generate_latest(Families([Metric(m.name, m.documentation, m.type, m.unit)])).decode()
-    return _headers[key]
 
 
 def exposition(registry: Collector) -> bytes:
     """``generate_latest(registry)``, reusing the lines of rendered families."""
-    out: list[str] = []
+    out: list[bytes] = []
     for metric in registry.collect():
-        rendered = metric if isinstance(metric, RenderedFamily) else render([metric])[0]
-        out += (_header(metric), rendered.text)
-    return "".join(out).encode()
+        if isinstance(metric, RenderedFamily):
+            out += (metric.header, metric.lines)
+        else:
+            header = _family(metric.name, metric.documentation, metric.type, metric.unit)[4]
+            out += (header, _text(metric, list(metric.samples)).encode())
+    return b"".join(out)

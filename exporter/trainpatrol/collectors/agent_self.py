@@ -7,15 +7,23 @@ and ``trainpatrol_forwarded_alerts_total{outcome}``.
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable
 
 from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 from .. import __version__
+from ..agent.exposition import RenderedFamily, render, sample_line
 from ..catalogue import BY_NAME
+
+_COUNTERS = (("trainpatrol_pushes", "pushes", ["outcome"]), ("trainpatrol_webhook_alerts", "alerts", ["outcome"]),
+             ("trainpatrol_forwarded_alerts", "forwarded", ["outcome"]),
+             ("trainpatrol_control_commands", "commands", ["action", "source"]))
+"""Family name, ``AgentStats`` attribute and label names of each counter, in exposition order."""
 
 
 def _help(name: str) -> str:
@@ -30,6 +38,7 @@ class AgentStats:
         self.alerts: Counter[str] = Counter({"act": 0, "duplicate": 0, "resolved": 0, "forbidden": 0})
         self.commands: Counter[tuple[str, str]] = Counter()
         self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})
+        self._rendered: dict[str, tuple[Hashable, RenderedFamily]] = {}
 
     def count(self, counter: str, key: str | tuple[str, str]) -> None:
         with self._lock:
@@ -38,19 +47,40 @@ class AgentStats:
     def describe(self) -> list[Metric]:
         return []
 
-    def collect(self) -> Iterator[Metric]:
-        info = InfoMetricFamily("trainpatrol_agent", _help("trainpatrol_agent_info"))
-        info.add_metric([], {"version": __version__, "host": socket.gethostname(), "mode": self.mode})
-        yield info
+    def collect(self) -> list[Metric]:
+        """The families; each is formatted again only when its values changed since the last scrape."""
+        host = socket.gethostname()
         with self._lock:
-            for name, counter in (("trainpatrol_pushes", self.pushes), ("trainpatrol_webhook_alerts", self.alerts),
-                                  ("trainpatrol_forwarded_alerts", self.forwarded)):
-                fam = CounterMetricFamily(name, _help(name + "_total"), labels=["outcome"])
-                for key, value in sorted(counter.items()):
-                    fam.add_metric([str(key)], value)
-                yield fam
-            fam = CounterMetricFamily("trainpatrol_control_commands", _help("trainpatrol_control_commands_total"),
-                                      labels=["action", "source"])
-            for (action, source), value in sorted(self.commands.items()):
-                fam.add_metric([action, source], value)
-            yield fam
+            counts = [tuple(sorted(getattr(self, attr).items())) for _, attr, _ in _COUNTERS]
+        info = self._family("trainpatrol_agent", (host, self.mode), functools.partial(_info, host, self.mode))
+        out: list[Metric] = [info]
+        for (name, _, labels), items in zip(_COUNTERS, counts, strict=True):
+            out.append(self._family(name, items, functools.partial(_counter, name, labels, items)))
+        return out
+
+    def _family(self, name: str, key: Hashable, build: Callable[[], RenderedFamily]) -> RenderedFamily:
+        """The family served last time, or ``build()`` when its values (``key``) changed since."""
+        cached = self._rendered.get(name)
+        if cached is None or cached[0] != key:
+            cached = self._rendered[name] = (key, build())
+        return cached[1]
+
+
+def _info(host: str, mode: str) -> RenderedFamily:
+    info = InfoMetricFamily("trainpatrol_agent", _help("trainpatrol_agent_info"))
+    info.add_metric([], {"version": __version__, "host": host, "mode": mode})
+    return render([info])[0]
+
+
+def _counter(name: str, labels: list[str], items: tuple[tuple[str | tuple[str, str], int], ...]) -> RenderedFamily:
+    """A counter family, its lines written directly: pushes_total changes between most scrapes."""
+    rows = [(list(key) if isinstance(key, tuple) else [str(key)], value) for key, value in items]
+
+    def samples() -> list[Sample]:
+        fam = CounterMetricFamily(name, _help(name + "_total"), labels=labels)
+        for values, value in rows:
+            fam.add_metric(values, value)
+        return fam.samples
+    text = "".join([sample_line(name + "_total", dict(zip(labels, values, strict=True)), value)
+                    for values, value in rows])
+    return RenderedFamily(name, _help(name + "_total"), "counter", "", text.encode(), samples)

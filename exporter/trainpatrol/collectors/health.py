@@ -13,6 +13,9 @@ from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+from ..agent.exposition import RenderedFamily, sample_line
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,8 @@ class CollectorSet(Collector):
         return []  # no collect() at registration: that would touch hardware at import time
 
     def collect(self) -> Iterator[Metric]:
-        success = GaugeMetricFamily(
-            "trainpatrol_collector_success", "1 if the collector's last run succeeded.", labels=["collector"]
-        )
-        duration = GaugeMetricFamily(
-            "trainpatrol_collector_duration_seconds", "Duration of the collector's last run.",
-            labels=["collector"], unit="seconds",
-        )
+        success: list[tuple[str, float]] = []
+        duration: list[tuple[str, float]] = []
         for name, collector in self._collectors.items():
             start = time.perf_counter()
             try:
@@ -50,8 +48,20 @@ class CollectorSet(Collector):
                 if key not in self._logged:
                     self._logged.add(key)
                     log.warning("collector %s failed: %s", name, key[1])
-            success.add_metric([name], ok)
-            duration.add_metric([name], time.perf_counter() - start)
+            success.append((name, ok))
+            duration.append((name, time.perf_counter() - start))
             yield from families
-        yield success
-        yield duration
+        yield _gauge("trainpatrol_collector_success", "1 if the collector's last run succeeded.", "", success)
+        yield _gauge("trainpatrol_collector_duration_seconds", "Duration of the collector's last run.", "seconds",
+                     duration)
+
+
+def _gauge(name: str, help_: str, unit: str, values: list[tuple[str, float]]) -> RenderedFamily:
+    """A gauge labelled ``collector``, its lines written directly: these change on every scrape."""
+    def samples() -> list[Sample]:
+        f = GaugeMetricFamily(name, help_, labels=["collector"], unit=unit)
+        for collector, value in values:
+            f.add_metric([collector], value)
+        return f.samples
+    text = "".join([sample_line(name, {"collector": collector}, value) for collector, value in values])
+    return RenderedFamily(name, help_, "gauge", unit, text.encode(), samples)

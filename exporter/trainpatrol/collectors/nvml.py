@@ -122,11 +122,15 @@ class NvmlCollector:
         if age > self.stale_after_seconds:
             limit = self.stale_after_seconds
             raise NvmlUnavailable(f"the last NVML sample is {age:.1f} s old (limit {limit:g} s)")
+        yield from self._render(sample, xids)
+
+    def _render(self, sample: dict[str, Any], xids: dict[ns.Labels, tuple[int, float]]) -> list[RenderedFamily]:
+        """The families of a sample, formatted once per sample and XID count, not once per scrape (see
+        agent.exposition): by the sampler as it stores a sample, or by the first scrape after an XID."""
         cached = self._rendered
         if cached is None or cached[0] is not sample or cached[1] != xids:
-            # formatted once per sample, not once per scrape (see agent.exposition)
             cached = self._rendered = (sample, xids, render(ns.families(sample["gpus"], xids)))
-        yield from cached[2]
+        return cached[2]
 
     def snapshot(self) -> dict[str, Any]:
         """The last sample, the current error and the XID counts, as JSON-able data."""
@@ -160,9 +164,11 @@ class NvmlCollector:
                 ]
             except Exception as exc:  # the sampler must outlive any driver or GPU fault
                 return self._fail(exc)
+            sample = {"timestamp": started, "driver_version": self._driver_version, "gpus": samples}
             with self._lock:
-                self._sample = {"timestamp": started, "driver_version": self._driver_version, "gpus": samples}
-                self._error = ""
+                self._sample, self._error, xids = sample, "", dict(self._xids)
+            with contextlib.suppress(Exception):  # a formatting fault shows at the scrape, which formats again
+                self._render(sample, xids)
             if self._failures_logged:
                 log.info("NVML sampling recovered: %d GPU(s)", len(samples))
                 self._failures_logged.clear()

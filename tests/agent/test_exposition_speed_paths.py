@@ -1,0 +1,320 @@
+"""What a /metrics scrape reuses from the last one, and what it must not: every body here is checked
+byte for byte against ``generate_latest``, which builds each family's samples on demand."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
+
+from trainpatrol.agent.exposition import Families, RenderedFamily, exposition, render
+from trainpatrol.agent.store import RankStore
+from trainpatrol.catalogue import STEP_DURATION_BUCKETS
+from trainpatrol.collectors.agent_self import AgentStats
+from trainpatrol.collectors.health import CollectorSet
+from trainpatrol.collectors.nvml import NvmlCollector
+from trainpatrol.collectors.ranks import RankCollector
+from trainpatrol.nvml_fake import FakeNvml
+from trainpatrol.protocol import RankSnapshot
+
+T0 = 1_700_000_000.25
+INFO = {"local_rank": "0", "world_size": "4", "host": 'node "7" \\ \n', "gpu_uuid": "GPU-x", "device": "cuda:0",
+        "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0"}
+UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0
+
+
+class Clock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Ranks:
+    """A store and its collector, pushed to as the agent does: store first, then formatting."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.store = RankStore(UP_TTL, EXPIRE, CLOSED_EXPIRE, clock=clock)
+        self.collector = RankCollector(self.store)
+        self.registry = CollectorRegistry()
+        self.registry.register(self.collector)
+
+    def push(self, snapshot: RankSnapshot) -> None:
+        self.store.push(snapshot)
+        self.collector.prepare(snapshot)
+
+    def body(self) -> str:
+        served = exposition(self.registry)
+        assert served == generate_latest(self.registry)
+        return served.decode()
+
+    def families(self) -> dict[str, RenderedFamily]:
+        out = {}
+        for f in self.collector.collect():
+            assert isinstance(f, RenderedFamily)
+            out[f.name] = f
+        return out
+
+
+def snap(rank: int, step: int, loss: float = 1.5, run: str = "r1", kinds: tuple[str, ...] = ("loss",),
+         **extra: Any) -> RankSnapshot:
+    return RankSnapshot.model_validate({
+        "run": run, "rank": rank, "world_size": 4, "step": step, "instance": "a" * 16, **extra,
+        "samples": [{"name": "trainpatrol_step_total", "labels": {}, "value": step},
+                    {"name": "trainpatrol_loss", "labels": {}, "value": loss},
+                    *({"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": k}, "value": 0.0}
+                      for k in kinds),
+                    {"name": "trainpatrol_rank_info", "labels": INFO, "value": 1.0}],
+        "histogram": {"counts": [float(step)] * (len(STEP_DURATION_BUCKETS) + 1), "sum": 0.25 * step}})
+
+
+def value(body: str, name: str, rank: int, run: str = "r1") -> str | None:
+    """The value written for a rank's sample of ``name``, None where there is no such line."""
+    prefix = f'{name}{{rank="{rank}",run="{run}"}} '
+    return next((line[len(prefix):] for line in body.splitlines() if line.startswith(prefix)), None)
+
+
+def at(seconds: float) -> str:
+    """T0 plus ``seconds``, as the body writes a timestamp."""
+    return floatToGoString(T0 + seconds)
+
+
+def liveness(body: str, rank: int) -> tuple[str | None, ...]:
+    names = ("rank_up", "rank_last_push_timestamp_seconds", "rank_last_step_timestamp_seconds")
+    return tuple(value(body, f"trainpatrol_{name}", rank) for name in names)
+
+
+def test_a_scrape_with_nothing_new_serves_the_last_families_again() -> None:
+    ranks = Ranks(Clock())
+    for rank in range(3):
+        ranks.push(snap(rank, step=5))
+    first = list(ranks.collector.collect())
+    again = list(ranks.collector.collect())
+    assert len(first) == len(again) and all(a is b for a, b in zip(first, again, strict=True))
+    assert ranks.body() == ranks.body()
+
+
+def test_rank_up_drops_on_the_cached_path_once_the_ttl_passes() -> None:
+    clock = Clock()
+    ranks = Ranks(clock)
+    ranks.push(snap(0, step=3))
+    ranks.push(snap(1, step=3))
+    assert liveness(ranks.body(), 0) == ("1.0", at(0), at(0))
+    clock.now = T0 + UP_TTL  # the TTL itself still counts as up, served from the cached scrape
+    assert liveness(ranks.body(), 0)[0] == "1.0"
+    clock.now = T0 + UP_TTL + 0.001
+    body = ranks.body()
+    assert liveness(body, 0) == ("0.0", at(0), at(0))
+    assert liveness(body, 1)[0] == "0.0" and value(body, "trainpatrol_step_total", 0) == "3.0"
+    ranks.push(snap(0, step=3))  # back, its step where it was
+    body = ranks.body()
+    assert liveness(body, 0) == ("1.0", at(UP_TTL + 0.001), at(0))
+    assert liveness(body, 1)[0] == "0.0"
+
+
+def test_a_closed_rank_is_never_up() -> None:
+    ranks = Ranks(Clock())
+    ranks.push(snap(0, step=1, state="closed"))
+    assert liveness(ranks.body(), 0)[0] == "0.0"
+
+
+def test_liveness_after_a_new_push_is_that_push() -> None:
+    clock = Clock()
+    ranks = Ranks(clock)
+    ranks.push(snap(0, step=1))
+    ranks.body()
+    clock.now = T0 + 5
+    ranks.push(snap(0, step=1))  # a push without a step: only the push time moves
+    assert liveness(ranks.body(), 0) == ("1.0", at(5), at(0))
+    clock.now = T0 + 7
+    ranks.push(snap(0, step=2, loss=0.5))
+    body = ranks.body()
+    assert liveness(body, 0) == ("1.0", at(7), at(7))
+    assert value(body, "trainpatrol_loss", 0) == "0.5" and value(body, "trainpatrol_step_total", 0) == "2.0"
+
+
+def test_an_expired_rank_disappears_and_leaves_the_cache() -> None:
+    clock = Clock()
+    ranks = Ranks(clock)
+    ranks.push(snap(0, step=1))
+    ranks.push(snap(1, step=1))
+    assert 'rank="1"' in ranks.body()
+    clock.now = T0 + EXPIRE / 2
+    ranks.push(snap(0, step=2))
+    ranks.body()
+    clock.now = T0 + EXPIRE + 0.001  # rank 1 has been silent for longer than EXPIRE, rank 0 has not
+    body = ranks.body()
+    assert 'rank="1"' not in body and liveness(body, 0)[0] == "0.0"
+    assert set(ranks.collector._rendered) == {("r1", 0)}
+    clock.now = T0 + EXPIRE / 2 + EXPIRE + 0.001
+    assert [ln for ln in ranks.body().splitlines() if not ln.startswith("#")] == []
+    assert ranks.collector._rendered == {}
+
+
+def test_a_rank_that_replaces_an_expired_one_at_its_place_is_served() -> None:
+    """The same number of ranks, but not the same ranks: every line of the newcomer is written."""
+    clock = Clock()
+    ranks = Ranks(clock)
+    ranks.push(snap(0, step=1))
+    ranks.push(snap(1, step=1))
+    ranks.body()
+    clock.now = T0 + EXPIRE + 1
+    ranks.push(snap(0, step=2))
+    ranks.push(snap(2, step=1))
+    body = ranks.body()
+    assert value(body, "trainpatrol_step_total", 2) == "1.0" and 'rank="1"' not in body
+
+
+def test_only_the_families_a_push_changed_are_joined_again() -> None:
+    ranks = Ranks(Clock())
+    for rank in range(3):
+        ranks.push(snap(rank, step=4))
+    before = ranks.families()
+    ranks.push(snap(1, step=4, loss=0.75))
+    after = ranks.families()
+    changed = {name for name, f in after.items() if f.lines is not before[name].lines}
+    # the loss moved; liveness is joined again on every change, as the push time moved
+    assert changed == {"trainpatrol_loss", "trainpatrol_rank_last_push_timestamp_seconds", "trainpatrol_rank_up",
+                       "trainpatrol_rank_last_step_timestamp_seconds"}
+    body = ranks.body()
+    assert [value(body, "trainpatrol_loss", rank) for rank in range(3)] == ["1.5", "0.75", "1.5"]
+    ranks.push(snap(2, step=4, kinds=("loss", "grad")))  # a new series: the whole snapshot is formatted again
+    latest = ranks.families()
+    changed = {name for name, f in latest.items() if f.lines is not after[name].lines}
+    assert changed == {"trainpatrol_nonfinite_steps", "trainpatrol_rank_last_push_timestamp_seconds",
+                       "trainpatrol_rank_up", "trainpatrol_rank_last_step_timestamp_seconds"}
+    assert 'trainpatrol_nonfinite_steps_total{kind="grad",rank="2",run="r1"} 0.0' in ranks.body()
+
+
+def test_a_family_that_changes_and_changes_back_is_served_as_it_is() -> None:
+    ranks = Ranks(Clock())
+    ranks.push(snap(0, step=1, loss=-0.0))
+    assert value(ranks.body(), "trainpatrol_loss", 0) == "-0.0"
+    ranks.push(snap(0, step=1, loss=0.0))  # equal to -0.0, but written differently
+    assert value(ranks.body(), "trainpatrol_loss", 0) == "0.0"
+    ranks.push(snap(0, step=1, loss=2.0))
+    ranks.push(snap(0, step=1, loss=0.0))  # two pushes between scrapes, the second undoing the first
+    assert value(ranks.body(), "trainpatrol_loss", 0) == "0.0"
+
+
+def test_a_snapshot_nobody_prepared_is_formatted_at_the_scrape() -> None:
+    ranks = Ranks(Clock())
+    ranks.push(snap(0, step=1))
+    ranks.body()
+    ranks.store.push(snap(0, step=9, loss=3.0))  # stored, never prepared
+    body = ranks.body()
+    assert value(body, "trainpatrol_step_total", 0) == "9.0" and value(body, "trainpatrol_loss", 0) == "3.0"
+
+
+def test_a_late_push_the_store_refused_changes_nothing() -> None:
+    """The agent prepares every valid push; a reordered one the store kept out must not reach /metrics."""
+    ranks = Ranks(Clock())
+    ranks.push(snap(0, step=5, seq=5))
+    before = ranks.body()
+    ranks.push(snap(0, step=4, loss=9.0, seq=4))
+    assert ranks.body() == before
+    ranks.store.push(snap(1, step=1))  # another rank's arrival: rank 0 is written from its stored snapshot
+    body = ranks.body()
+    assert value(body, "trainpatrol_loss", 0) == "1.5" and value(body, "trainpatrol_step_total", 0) == "5.0"
+
+
+def test_agent_counters_are_formatted_again_only_when_they_change() -> None:
+    stats = AgentStats("agent")
+    registry = CollectorRegistry()
+    registry.register(stats)
+    first, again = stats.collect(), stats.collect()
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    stats.count("pushes", "ok")
+    stats.count("commands", ("pause", 'odd "source" \\ \n'))
+    after = stats.collect()
+    assert [a is b for a, b in zip(first, after, strict=True)] == [True, False, True, True, False]
+    served = exposition(registry)
+    assert served == generate_latest(registry)
+    assert b'trainpatrol_pushes_total{outcome="ok"} 1.0' in served
+    assert b'source="odd \\"source\\" \\\\ \\n"' in served
+
+
+def test_collector_health_gauges_match_generate_latest() -> None:
+    def broken() -> list[Any]:
+        raise RuntimeError("no")
+
+    ranks = Ranks(Clock())
+    ranks.push(snap(0, step=1))
+    collectors = CollectorSet({"ranks": ranks.collector, "broken": type("C", (), {"collect": staticmethod(broken)})()})
+    families = Families(collectors.collect())  # one collection: the durations are the same in both bodies
+    served = exposition(families)
+    assert served == generate_latest(families)
+    assert b'trainpatrol_collector_success{collector="broken"} 0.0' in served
+    assert b'trainpatrol_collector_success{collector="ranks"} 1.0' in served
+
+
+def test_families_of_any_kind_match_generate_latest() -> None:
+    """Plain families take the short formatter; timestamps and OpenMetrics-only samples go to
+    prometheus_client; families that are not rendered are formatted at the scrape."""
+    counter = CounterMetricFamily("c", "with _created", labels=["l"], created=T0)
+    counter.add_metric(['x"y'], 2.0)
+    stamped = GaugeMetricFamily("g_seconds", "help \\ with \n newline", labels=["a", "b"], unit="seconds")
+    stamped.add_metric(["1", "2"], float("-inf"), timestamp=T0)
+    info = InfoMetricFamily("i", "an info", value={"v": "é"})
+    families = [counter, stamped, info]
+    expected = generate_latest(Families(families))
+    rendered = render(families)
+    assert exposition(Families(rendered)) == expected == exposition(Families(families))
+    assert [f.samples for f in rendered] == [f.samples for f in families]
+
+
+def test_nvml_is_formatted_once_per_sample_by_the_sampler() -> None:
+    clock = Clock()
+    fake = FakeNvml.from_fixture(gpus=2)
+    nvml = NvmlCollector(fake, clock=clock)
+    registry = CollectorRegistry()
+    registry.register(nvml)
+    nvml.sample_once()
+    formatted = nvml._rendered
+    assert formatted is not None  # by sample_once, before any scrape
+    first, again = list(nvml.collect()), list(nvml.collect())
+    assert first == formatted[2] and all(a is b for a, b in zip(first, again, strict=True))
+    assert exposition(registry) == generate_latest(registry)
+    nvml._record_xid(fake.nvmlDeviceGetHandleByIndex(1), 79)  # a new XID count: formatted at the next scrape
+    served = exposition(registry)
+    assert served == generate_latest(registry)
+    assert b"trainpatrol_gpu_xid_errors_total{" in served
+    assert {id(f) for f in first}.isdisjoint(id(f) for f in nvml.collect())
+    nvml.sample_once()
+    assert nvml._rendered is not None and nvml._rendered[0] is not formatted[0]
+
+
+def test_scrapes_on_other_threads_while_ranks_push() -> None:
+    clock = Clock()
+    ranks = Ranks(clock)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        try:
+            while not done.is_set():
+                text = exposition(ranks.registry).decode()
+                list(text_string_to_metric_families(text))  # well formed
+                assert text.count("trainpatrol_rank_up{") == text.count("trainpatrol_loss{")
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=scrape) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(300):
+            clock.now = T0 + i
+            ranks.push(snap(i % 4, step=i, loss=1.0 / (i + 1)))
+    finally:
+        done.set()
+        for t in threads:
+            t.join(10)
+    assert not errors, errors
+    body = ranks.body()
+    assert [value(body, "trainpatrol_step_total", rank) for rank in range(4)] == ["296.0", "297.0", "298.0", "299.0"]
