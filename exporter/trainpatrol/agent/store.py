@@ -50,6 +50,8 @@ class RankStore:
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
             self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
+            if not self._commands.get(snap.run):
+                return []  # the common case: nothing queued, so nothing to retire or hand out
             done = set(snap.done_commands)
             ranks = [e.snapshot for (r, _), e in self._ranks.items() if r == snap.run]
             # a command every current rank has carried out is retired, so a restarted job never
