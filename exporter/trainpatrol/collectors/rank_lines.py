@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from itertools import compress
 from math import copysign
+from operator import is_not
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -33,6 +35,10 @@ _HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
 _ORDER = {m.name: sorted(m.all_labels) for m in RANK_METRICS}
 """Label names of each rank metric in exposition order (prometheus_client sorts them)."""
 _MAX = sys.float_info.max
+FAMILIES = [m.name for m in RANK_METRICS]
+"""Every rank metric family, in catalogue order: the order of ``Rendered.columns``."""
+_POSITION = {name: i for i, name in enumerate(FAMILIES)}
+_HISTOGRAM_AT = _POSITION[_HISTOGRAM]
 _INFO = {m.name for m in RANK_METRICS if m.kind == "info"}
 assert sorted([*RANK_BY_NAME[_HISTOGRAM].all_labels, "le"]) == ["le", "rank", "run"]  # bucket lines below
 
@@ -48,20 +54,22 @@ def plain_labels(snap: RankSnapshot) -> str:
     return f'rank="{snap.rank}",run="{_escape(snap.run)}"'
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Rendered:
     """One snapshot's lines: per sample (for reuse by the next push) and joined per family."""
 
     snapshot: RankSnapshot
     sample_lines: list[str]
-    families: dict[str, str]
+    columns: tuple[str, ...]
+    """Each catalogue rank metric's lines, in ``FAMILIES`` order ("" where the snapshot has none)."""
     members: dict[str, list[int]]
     """Family name -> the indices of its samples, in order."""
+    histogram_heads: tuple[str, ...]
+    """The step histogram's lines up to their value: bucket by bucket, then _count and _sum."""
 
-
-def number(value: float) -> str:
-    """``floatToGoString(value)``: below 1e6, and finite, that is ``repr``, without a call."""
-    return repr(value) if -_MAX <= value < 1e6 else floatToGoString(value)
+    @property
+    def families(self) -> dict[str, str]:
+        return {name: text for name, text in zip(FAMILIES, self.columns, strict=True) if text}
 
 
 def _same(a: float, b: float) -> bool:
@@ -69,33 +77,34 @@ def _same(a: float, b: float) -> bool:
 
 
 def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered:
-    """Catalogue metric name -> the snapshot's exposition lines of that family.
+    """The snapshot's exposition lines, per sample and per catalogue family.
 
     When the snapshot has the same series as ``previous`` (the rank's last push), only samples
     whose value changed are formatted again, and only their families joined again: info metrics,
     settings and most counters do not change from one push to the next, and a delta push
-    (protocol.SnapshotDelta) keeps the very sample objects it did not change."""
+    (protocol.SnapshotDelta) keeps the very sample objects it did not change. A family whose lines
+    did not change is the previous push's very string, so that a scrape finds changes by identity."""
     base = {"run": _escape(snap.run), "rank": str(snap.rank)}
     plain = plain_labels(snap)
     samples = snap.samples
-    reuse = previous is not None and plain_labels(previous.snapshot) == plain
-    before = previous.snapshot.samples if previous is not None and reuse else []
+    same_rank = previous is not None and plain_labels(previous.snapshot) == plain
+    before = previous.snapshot.samples if previous is not None and same_rank else []
     if previous is not None and len(before) == len(samples):
         lines, dirty = list(previous.sample_lines), set[str]()
-        for i, (s, old) in enumerate(zip(samples, before, strict=True)):
-            if s is old:
-                continue
+        for i in compress(range(len(samples)), map(is_not, samples, before)):  # a delta keeps the rest
+            s, old = samples[i], before[i]
             if s.name != old.name:
                 break  # another layout: the families' members differ
             if s.labels != old.labels or not _same(s.value, old.value):
                 lines[i] = _line(s, base, plain)
                 dirty.add(s.name)
         else:
-            families = dict(previous.families)
+            columns = list(previous.columns)
             for name in dirty:
-                families[name] = "".join([lines[i] for i in previous.members[name]])
-            _histogram(snap, plain, families, previous)
-            return Rendered(snap, lines, families, previous.members)
+                columns[_POSITION[name]] = "".join([lines[i] for i in previous.members[name]])
+            heads = previous.histogram_heads
+            columns[_HISTOGRAM_AT] = _histogram(snap, heads, previous)
+            return Rendered(snap, lines, tuple(columns), previous.members, heads)
     lines = []
     members: dict[str, list[int]] = {}
     for i, s in enumerate(samples):
@@ -105,9 +114,15 @@ def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered
         else:
             lines.append(_line(s, base, plain))
         members.setdefault(s.name, []).append(i)
-    families = {name: "".join([lines[i] for i in where]) for name, where in members.items()}
-    _histogram(snap, plain, families, None)
-    return Rendered(snap, lines, families, members)
+    fresh = [""] * len(FAMILIES)
+    for name, where in members.items():
+        fresh[_POSITION[name]] = "".join([lines[i] for i in where])
+    heads = (*(f'{_HISTOGRAM}_bucket{{le="{le}",{plain}}} ' for le in BOUNDS),
+             f"{_HISTOGRAM}_count{{{plain}}} ", f"{_HISTOGRAM}_sum{{{plain}}} ")
+    fresh[_HISTOGRAM_AT] = _histogram(snap, heads, None)
+    if previous is not None:  # equal text, same string: the scrape's change detection goes by identity
+        fresh = [old if old == new else new for old, new in zip(previous.columns, fresh, strict=True)]
+    return Rendered(snap, lines, tuple(fresh), members, heads)
 
 
 def _line(s: PushedSample, base: dict[str, str], plain: str) -> str:
@@ -116,22 +131,20 @@ def _line(s: PushedSample, base: dict[str, str], plain: str) -> str:
         block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[s.name]])
     else:
         block = plain
-    return f"{s.name}{{{block}}} {'1.0' if s.name in _INFO else number(s.value)}\n"
+    v = s.value  # floatToGoString(v) is repr(v) below 1e6, when finite; a call costs more than that test
+    return f"{s.name}{{{block}}} {'1.0' if s.name in _INFO else repr(v) if -_MAX <= v < 1e6 else floatToGoString(v)}\n"
 
 
-def _histogram(snap: RankSnapshot, plain: str, families: dict[str, str], previous: Rendered | None) -> None:
+def _histogram(snap: RankSnapshot, heads: tuple[str, ...], previous: Rendered | None) -> str:
+    """The step histogram's lines; the previous push's string when nothing in it changed."""
     h, old = snap.histogram, previous.snapshot.histogram if previous is not None else None
     if h is None:
-        families.pop(_HISTOGRAM, None)
-        return
-    if old is not None and old.counts == h.counts and _same(old.sum, h.sum):
-        return  # families came from previous, with these very lines
-    name = _HISTOGRAM
-    lines = [f'{name}_bucket{{le="{le}",{plain}}} {number(count)}\n'
-             for le, count in zip(BOUNDS, h.counts, strict=False)]
-    lines.append(f"{name}_count{{{plain}}} {number(h.counts[-1])}\n")
-    lines.append(f"{name}_sum{{{plain}}} {number(h.sum)}\n")
-    families[name] = "".join(lines)
+        return ""
+    if previous is not None and old is not None and old.counts == h.counts and _same(old.sum, h.sum):
+        return previous.columns[_HISTOGRAM_AT]
+    values = [*h.counts, h.counts[-1], h.sum]
+    return "".join([f"{head}{repr(v) if -_MAX <= v < 1e6 else floatToGoString(v)}\n"
+                    for head, v in zip(heads, values, strict=True)])
 
 
 def family(m: CatalogueMetric) -> Metric:

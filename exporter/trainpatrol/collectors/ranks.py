@@ -34,14 +34,10 @@ Liveness = tuple[str, str, str, str]
 
 
 def _lines(snap: RankSnapshot, previous: tuple[Rendered, Lines] | None) -> tuple[Rendered, Lines]:
-    """The snapshot's lines; a family whose lines equal the rank's previous ones keeps that very string,
-    so that a scrape finds the families that changed by identity alone."""
-    if previous is None:
-        rendered = rank_lines(snap)
-        return rendered, tuple(rendered.families.get(name, "") for name, _ in _FAMILIES)
-    rendered = rank_lines(snap, previous[0])
-    lines = (rendered.families.get(name, "") for name, _ in _FAMILIES)
-    return rendered, tuple(old if old == new else new for old, new in zip(previous[1], lines, strict=True))
+    """The snapshot's lines; a family whose lines did not change is the very same string as before
+    (collectors.rank_lines), so that a scrape finds the families that changed by identity alone."""
+    rendered = rank_lines(snap, previous[0] if previous is not None else None)
+    return rendered, rendered.columns
 
 
 def _liveness(e: RankEntry) -> Liveness:
