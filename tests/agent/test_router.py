@@ -171,7 +171,9 @@ def test_forwarded_by_instance_label_pauses_the_rank(cluster: Cluster, tmp_path:
         reply = post_alert(cluster.urls["router"], alert("P", instance=cluster.addr("a2")))
         assert [r["outcome"] for r in reply["results"]] == ["forwarded"]
         wait_for(lambda: patrol.state == "paused", 20, what="the rank pauses")
-        assert http_json(f"{a2}/v1/runs/P")["last_action"]["action"] == "pause"
+        # the paused rank's report reaches a2 with its next push, handled in a2's next batch
+        wait_for(lambda: (http_json(f"{a2}/v1/runs/P")["last_action"] or {}).get("action") == "pause", 5,
+                 what="a2 hears the rank paused")
         after = {name: counters(url) for name, url in cluster.urls.items()}
         assert delta(after["router"]["forwarded"], before["router"]["forwarded"]) == {"ok": 1}
         assert delta(after["router"]["webhook"], before["router"]["webhook"]) == {"forwarded": 1}

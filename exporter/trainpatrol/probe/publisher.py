@@ -1,9 +1,10 @@
 """Pushes the rank's snapshot to its agent about once a second, from a background thread.
 
-Pushes travel on one kept-open stream (probe.push_stream), so each costs the agent one chunk rather
-than one HTTP request; an agent without the stream gets one ``POST /v1/push`` per push. Pushes are
-bounded in time, retried with backoff, and a dropped push is counted; the training loop never
-waits for the agent. Commands in the agent's replies are handed to ``on_commands`` as they arrive.
+The periodic pushes travel on one kept-open stream (probe.push_stream), so each costs the agent one
+chunk rather than one HTTP request; an agent without the stream gets one ``POST /v1/push`` per push.
+``push_now`` (a state change, the final snapshot) is its own request, confirmed when it returns.
+Pushes are bounded in time, retried with backoff, and a dropped push is counted; the training loop
+never waits for the agent. Commands in the agent's replies are handed to ``on_commands`` as they arrive.
 """
 
 from __future__ import annotations
@@ -58,7 +59,16 @@ class Publisher:
         self._thread.start()
 
     def push_now(self) -> bool:
-        """One push from the calling thread (final snapshots, paused loops). True on success."""
+        """One push from the calling thread (a state change, a final snapshot), by its own request:
+        when it returns True the agent has taken it in, where the stream hands it over in batches."""
+        try:
+            self._post(json.dumps(self._snapshot()).encode())
+            return True
+        except Exception as exc:
+            self._failed(exc)
+            return False
+
+    def _push_periodic(self) -> bool:
         try:
             self._push_once()
             return True
@@ -78,9 +88,7 @@ class Publisher:
         if final_push:
             self.push_now()
         with self._conn_lock:
-            if self._stream.is_open and final_push:
-                self._finish_stream()  # the agent has handled the final snapshot when this returns
-            self._stream.close()
+            self._stream.close()  # the agent still handles lines it has; older ones lose to the final push
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -90,7 +98,7 @@ class Publisher:
     def _loop(self) -> None:
         backoff = self.interval
         while not self._stop.is_set():
-            backoff = self.interval if self.push_now() else min(backoff * 2, self._max_backoff)
+            backoff = self.interval if self._push_periodic() else min(backoff * 2, self._max_backoff)
             self._wait(backoff)
 
     def _wait(self, seconds: float) -> None:
@@ -158,12 +166,6 @@ class Publisher:
                 if self._stream.ended:
                     self._stream.close()
         self._handle(replies)
-
-    def _finish_stream(self) -> None:
-        try:
-            self._handle(self._stream.finish())
-        except Exception as exc:
-            self._failed(exc)
 
     def _handle(self, replies: list[dict[str, Any]]) -> None:
         for reply in replies:
