@@ -38,6 +38,8 @@ class RankStore:
         self._ranks: dict[tuple[str, int], RankEntry] = {}
         self._commands: dict[str, list[Command]] = {}
         self._seen_commands: dict[int, float] = {}
+        self._next_expiry = float("inf")
+        """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
 
     # --- pushes -------------------------------------------------------------------------------
     def push(self, snap: RankSnapshot) -> list[Command]:
@@ -49,7 +51,8 @@ class RankStore:
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
-            self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
+            entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
+            self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(snap.run):
                 return []  # the common case: nothing queued, so nothing to retire or hand out
             done = set(snap.done_commands)
@@ -71,6 +74,7 @@ class RankStore:
             if len(self._seen_commands) > 10000:
                 for cid in sorted(self._seen_commands, key=self._seen_commands.__getitem__)[:1000]:
                     del self._seen_commands[cid]
+            self._next_expiry = min(self._next_expiry, command.created + COMMAND_TTL_SECONDS)
             queue = self._commands.setdefault(command.run, [])
             # a new command supersedes an older one the ranks have not acted on yet only when
             # both are the same action; different actions all stay, ranks order them by priority
@@ -78,9 +82,18 @@ class RankStore:
             return True
 
     # --- reads --------------------------------------------------------------------------------
+    def _deadline(self, e: RankEntry) -> float:
+        """When the rank's series go, unless it pushes again before."""
+        return e.last_push + (min(self.expire_after, self.closed_expire_after) if e.snapshot.state == "closed"
+                              else self.expire_after)
+
     def expire(self) -> None:
+        """Removes ranks and command queues past their TTL. Scans only once something is due:
+        every scrape calls this, and a scan of every rank per scrape cost more than the scrape."""
         now = self._clock()
         with self._lock:
+            if now < self._next_expiry:
+                return
             for key, e in list(self._ranks.items()):
                 age = now - e.last_push
                 if age > self.expire_after or (e.snapshot.state == "closed" and age > self.closed_expire_after):
@@ -91,6 +104,9 @@ class RankStore:
                     self._commands[run] = kept
                 else:
                     del self._commands[run]
+            self._next_expiry = min([*(self._deadline(e) for e in self._ranks.values()),
+                                     *(c.created + COMMAND_TTL_SECONDS for q in self._commands.values() for c in q)],
+                                    default=float("inf"))
 
     def entries(self) -> list[RankEntry]:
         self.expire()
