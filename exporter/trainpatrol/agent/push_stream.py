@@ -12,9 +12,9 @@ agent writes only when it has something to say. The answer is NDJSON, streamed:
 
 A line with ``changed`` instead of ``samples`` carries only the sample values that moved since the
 same rank's last line on the stream (protocol.SnapshotDelta); a Patrol sends a whole snapshot first
-and after any refusal. A plain POST with a Content-Length body of several lines is a finite stream and gets the same
-answer. A body that stops without a final newline still counts its last line. Lines are counted in
-``trainpatrol_pushes_total{outcome}`` as single pushes are.
+and after any refusal. A plain POST with a Content-Length body of several lines is a finite stream
+and gets the same answer. A body that stops without a final newline still counts its last line.
+Lines are counted in ``trainpatrol_pushes_total{outcome}`` as single pushes are.
 """
 
 from __future__ import annotations
