@@ -104,7 +104,7 @@ class Publisher:
     def _wait(self, seconds: float) -> None:
         """Until ``seconds`` pass or ``wake``; meanwhile hands on commands the agent streams back."""
         deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
             watched: list[socket.socket | PushStream] = [self._wake_r]
             if self._stream.is_open:
                 watched.append(self._stream)
