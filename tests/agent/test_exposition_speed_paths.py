@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from fake_clock import T0, Clock
 from trainpatrol.agent.exposition import Families, RenderedFamily, exposition, render
 from trainpatrol.agent.store import RankStore
 from trainpatrol.catalogue import STEP_DURATION_BUCKETS
@@ -21,18 +22,9 @@ from trainpatrol.collectors.ranks import RankCollector
 from trainpatrol.nvml_fake import FakeNvml
 from trainpatrol.protocol import RankSnapshot
 
-T0 = 1_700_000_000.25
 INFO = {"local_rank": "0", "world_size": "4", "host": 'node "7" \\ \n', "gpu_uuid": "GPU-x", "device": "cuda:0",
         "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0"}
 UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0
-
-
-class Clock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Ranks:

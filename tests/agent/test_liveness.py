@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fake_clock import T0, Clock
 from loops import scripted_patrol
 from servers import agent, http_json, wait_for
 from trainpatrol.agent.app import Agent
@@ -27,16 +28,7 @@ from trainpatrol.collectors.ranks import RankCollector
 from trainpatrol.nvml_fake import FakeNvml
 from trainpatrol.protocol import RankSnapshot
 
-T0 = 1_700_000_000.25
 UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0
-
-
-class Clock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def store_and_registry(clock: Clock) -> tuple[RankStore, CollectorRegistry]:
