@@ -143,29 +143,19 @@ class FakeNvml:
         if delay:
             time.sleep(delay)
         with self._lock:
-            self._check(name, handle, needs_init)
-
-    def _check(self, name: str, handle: FakeHandle | None, needs_init: bool = True) -> None:
-        """Counts the call and raises what the driver's state makes it raise; under ``_lock``."""
-        self.calls[name] += 1
-        if self._driver_error:
-            raise _error(self._driver_error)
-        if needs_init and not self._init_count:
-            raise _error("NVMLError_Uninitialized")
-        if handle is not None and handle.index in self._lost:
-            raise _error("NVMLError_GpuIsLost")
+            self.calls[name] += 1
+            if self._driver_error:
+                raise _error(self._driver_error)
+            if needs_init and not self._init_count:
+                raise _error("NVMLError_Uninitialized")
+            if handle is not None and handle.index in self._lost:
+                raise _error("NVMLError_GpuIsLost")
 
     def _reading(self, name: str, handle: FakeHandle, *args: Any) -> Any:
-        """A recorded reading: one lock, no work beyond the lookups (the bench counts the fake's CPU
-        as the agent's, and real NVML calls of this kind take about a microsecond)."""
-        key = f"{name}/{'/'.join(map(str, args))}" if args else name
-        delay = self.delays.get(name, 0.0)
-        if delay:
-            time.sleep(delay)
+        key = "/".join([name, *map(str, args)])
+        self._enter(name, handle)
         with self._lock:
-            self._check(name, handle)
-            override = self._overrides.get(handle.index)
-            value, error = (override.get(key) if override else None) or self._readings[key]
+            value, error = self._overrides.get(handle.index, {}).get(key) or self._readings[key]
         if error:
             raise _error(error)
         return value

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from math import copysign
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,6 +19,12 @@ RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 RankState = Literal["running", "pausing", "paused", "stopping", "stopped", "closed"]
 _LABELS = {m.name: frozenset(m.labels) for m in RANK_METRICS if m.kind != "histogram"}
 """Each pushable rank metric's own label names (the histogram travels apart)."""
+
+
+def same_value(a: float, b: float) -> bool:
+    """Equal and of the same sign (-0.0 prints apart from 0.0): a value needs neither sending nor
+    formatting again. NaN is never the same."""
+    return a == b and (a != 0.0 or copysign(1.0, a) == copysign(1.0, b))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

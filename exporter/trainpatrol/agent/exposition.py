@@ -90,7 +90,8 @@ def _text(m: Metric, samples: list[Sample]) -> str:
     return generate_latest(Families([copy])).decode().split("\n", 2)[2]
 
 
-def _escape(value: str) -> str:
+def escape(value: str) -> str:
+    """A label value as the text format writes it."""
     if "\\" in value or "\n" in value or '"' in value:
         return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
     return value
@@ -99,7 +100,7 @@ def _escape(value: str) -> str:
 def sample_line(name: str, labels: Mapping[str, str], value: float) -> str:
     """One sample as ``generate_latest`` writes it, for a valid metric name and valid label names."""
     if labels:
-        block = ",".join([f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())])
+        block = ",".join([f'{k}="{escape(v)}"' for k, v in sorted(labels.items())])
         return f"{name}{{{block}}} {floatToGoString(value)}\n"
     return f"{name} {floatToGoString(value)}\n"
 

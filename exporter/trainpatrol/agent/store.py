@@ -95,8 +95,7 @@ class RankStore:
             if now < self._next_expiry:
                 return
             for key, e in list(self._ranks.items()):
-                age = now - e.last_push
-                if age > self.expire_after or (e.snapshot.state == "closed" and age > self.closed_expire_after):
+                if now > self._deadline(e):
                     del self._ranks[key]
             for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
                 kept = [c for c in queue if now - c.created < COMMAND_TTL_SECONDS]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from itertools import compress
-from math import copysign
 from operator import is_not
 
 from prometheus_client.core import (
@@ -25,9 +24,10 @@ from prometheus_client.core import (
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from ..agent.exposition import escape
 from ..catalogue import RANK_BY_NAME, RANK_METRICS, STEP_DURATION_BUCKETS
 from ..catalogue import Metric as CatalogueMetric
-from ..protocol import RankSnapshot
+from ..protocol import RankSnapshot, same_value
 from ..protocol import Sample as PushedSample
 
 BOUNDS = [str(b) for b in STEP_DURATION_BUCKETS] + ["+Inf"]
@@ -43,15 +43,9 @@ _INFO = {m.name for m in RANK_METRICS if m.kind == "info"}
 assert sorted([*RANK_BY_NAME[_HISTOGRAM].all_labels, "le"]) == ["le", "rank", "run"]  # bucket lines below
 
 
-def _escape(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
-    return value
-
-
 def plain_labels(snap: RankSnapshot) -> str:
     """The label block of a rank's metrics that have no labels of their own."""
-    return f'rank="{snap.rank}",run="{_escape(snap.run)}"'
+    return f'rank="{snap.rank}",run="{escape(snap.run)}"'
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +66,6 @@ class Rendered:
         return {name: text for name, text in zip(FAMILIES, self.columns, strict=True) if text}
 
 
-def _same(a: float, b: float) -> bool:
-    return a == b and (a != 0.0 or copysign(1.0, a) == copysign(1.0, b))  # 0.0 and -0.0 print differently
-
-
 def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered:
     """The snapshot's exposition lines, per sample and per catalogue family.
 
@@ -84,7 +74,7 @@ def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered
     settings and most counters do not change from one push to the next, and a delta push
     (protocol.SnapshotDelta) keeps the very sample objects it did not change. A family whose lines
     did not change is the previous push's very string, so that a scrape finds changes by identity."""
-    base = {"run": _escape(snap.run), "rank": str(snap.rank)}
+    base = {"run": escape(snap.run), "rank": str(snap.rank)}
     plain = plain_labels(snap)
     samples = snap.samples
     same_rank = previous is not None and plain_labels(previous.snapshot) == plain
@@ -95,7 +85,7 @@ def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered
             s, old = samples[i], before[i]
             if s.name != old.name:
                 break  # another layout: the families' members differ
-            if s.labels != old.labels or not _same(s.value, old.value):
+            if s.labels != old.labels or not same_value(s.value, old.value):
                 lines[i] = _line(s, base, plain)
                 dirty.add(s.name)
         else:
@@ -109,7 +99,7 @@ def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered
     members: dict[str, list[int]] = {}
     for i, s in enumerate(samples):
         prior = before[i] if i < len(before) else None
-        if prior is not None and prior.name == s.name and prior.labels == s.labels and _same(s.value, prior.value):
+        if prior is not None and prior.name == s.name and prior.labels == s.labels and same_value(s.value, prior.value):
             lines.append(previous.sample_lines[i])  # type: ignore[union-attr]
         else:
             lines.append(_line(s, base, plain))
@@ -127,7 +117,7 @@ def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered
 
 def _line(s: PushedSample, base: dict[str, str], plain: str) -> str:
     if s.labels:
-        values = base | {k: _escape(v) for k, v in s.labels.items()}
+        values = base | {k: escape(v) for k, v in s.labels.items()}
         block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[s.name]])
     else:
         block = plain
@@ -140,7 +130,7 @@ def _histogram(snap: RankSnapshot, heads: tuple[str, ...], previous: Rendered | 
     h, old = snap.histogram, previous.snapshot.histogram if previous is not None else None
     if h is None:
         return ""
-    if previous is not None and old is not None and old.counts == h.counts and _same(old.sum, h.sum):
+    if previous is not None and old is not None and old.counts == h.counts and same_value(old.sum, h.sum):
         return previous.columns[_HISTOGRAM_AT]
     values = [*h.counts, h.counts[-1], h.sum]
     return "".join([f"{head}{repr(v) if -_MAX <= v < 1e6 else floatToGoString(v)}\n"

@@ -28,16 +28,10 @@ assert [name for name, _ in _LIVENESS] == ["trainpatrol_rank_up", "trainpatrol_r
                                            "trainpatrol_rank_last_step_timestamp_seconds"]  # Liveness below
 _FAMILIES = [(m.name, family(m)) for m in RANK_METRICS]
 Lines = tuple[str, ...]
-"""One rank's exposition lines per family, in ``_FAMILIES`` order ("" where it has none)."""
+"""One rank's exposition lines per family, in ``_FAMILIES`` order ("" where it has none):
+``Rendered.columns``, where a family whose lines did not change is the previous push's very string."""
 Liveness = tuple[str, str, str, str]
 """One rank's liveness lines: rank_up while up, rank_up once down, last push, last step advance."""
-
-
-def _lines(snap: RankSnapshot, previous: tuple[Rendered, Lines] | None) -> tuple[Rendered, Lines]:
-    """The snapshot's lines; a family whose lines did not change is the very same string as before
-    (collectors.rank_lines), so that a scrape finds the families that changed by identity alone."""
-    rendered = rank_lines(snap, previous[0] if previous is not None else None)
-    return rendered, rendered.columns
 
 
 def _liveness(e: RankEntry) -> Liveness:
@@ -67,7 +61,7 @@ class RankCollector:
     def __init__(self, store: RankStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._rendered: dict[tuple[str, int], tuple[Rendered, Lines]] = {}
+        self._rendered: dict[tuple[str, int], Rendered] = {}
         self._last: _Scrape | None = None
 
     def describe(self) -> list[Metric]:
@@ -97,7 +91,7 @@ class RankCollector:
             changed, dirty = list(range(len(entries))), [True] * len(_FAMILIES)
         for i in changed:
             new = self._render(entries[i].snapshot)
-            if lines[i]:  # a family whose lines did not change keeps the very same string (see _lines)
+            if lines[i]:  # a family whose lines did not change keeps the very same string (Lines)
                 dirty = list(map(or_, dirty, map(is_not, lines[i], new)))
             lines[i], liveness[i] = new, _liveness(entries[i])
         with self._lock:
@@ -120,7 +114,7 @@ class RankCollector:
         key = (snap.run, snap.rank)
         with self._lock:
             previous = self._rendered.get(key)
-        rendered = _lines(snap, previous)
+        rendered = rank_lines(snap, previous)
         with self._lock:
             self._rendered[key] = rendered
 
@@ -129,11 +123,11 @@ class RankCollector:
         key = (snap.run, snap.rank)
         with self._lock:
             cached = self._rendered.get(key)
-        if cached is None or cached[0].snapshot is not snap:
-            cached = _lines(snap, cached)
+        if cached is None or cached.snapshot is not snap:
+            cached = rank_lines(snap, cached)
             with self._lock:
                 self._rendered[key] = cached
-        return cached[1]
+        return cached.columns
 
 
 def _liveness_samples(i: int, entries: list[RankEntry], up: list[bool]) -> SamplesFn:

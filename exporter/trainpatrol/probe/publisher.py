@@ -152,8 +152,7 @@ class Publisher:
             except OSError:
                 self._stream.close()
                 raise
-        self._delivered()
-        self._take_replies()
+        self._delivered()  # its answer, if any, comes with a later batch: _wait hands it on
 
     def _take_replies(self) -> None:
         """Commands and refusals the agent has streamed back so far; a stream it ended is closed."""

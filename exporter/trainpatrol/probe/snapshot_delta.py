@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-
-def _same(a: float, b: float) -> bool:
-    """Equal and of the same sign (-0.0 prints differently); NaN is never the same."""
-    return a == b and (a != 0.0 or str(a) == str(b))
+from ..protocol import same_value
 
 
 class DeltaEncoder:
@@ -32,7 +29,8 @@ class DeltaEncoder:
         if series != self._series:
             line = snapshot
         else:
-            changed = [[i, v] for i, (v, old) in enumerate(zip(values, self._values, strict=True)) if not _same(v, old)]
+            changed = [[i, v] for i, (v, old) in enumerate(zip(values, self._values, strict=True))
+                       if not same_value(v, old)]
             line = {"changed": changed, **{k: v for k, v in snapshot.items() if k != "samples"}}
         self._series, self._values = series, values
         return json.dumps(line).encode() + b"\n"
