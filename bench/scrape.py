@@ -21,6 +21,7 @@ covers everything it does: pushes, scrapes and NVML sampling. To see where it go
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import http.client
 import json
@@ -33,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,59 +101,82 @@ def advance(snap: dict[str, Any], base: dict[str, Any], steps: int, rng: random.
 
 
 def push_ranks(port: int, template: dict[str, Any], ranks: int, transport: str, stop: Any, counts: Any) -> None:
-    """Each rank pushes about once a second from its own thread, with its own phase, like Patrol."""
-    from trainpatrol.probe.push_stream import PushStream
-    from trainpatrol.probe.snapshot_delta import DeltaEncoder
+    """Every rank pushes once a second on Patrol's schedule (whole seconds of the wall clock). Lines
+    are made ready before their instant and sent back to back at it, as 64 rank processes would send
+    in parallel: threads of one process that each encode at the instant queue on the GIL and reach
+    the agent spread over tens of milliseconds."""
+    from trainpatrol.probe.publisher import next_push_delay
 
-    def rank_loop(rank: int) -> None:
+    sims = [RankSim(port, template, rank, transport) for rank in range(ranks)]
+    while not stop.is_set():
+        at = time.time() + next_push_delay(1.0, time.time())
+        ready = [sim.prepare(at) for sim in sims]
+        stop.wait(max(0.0, at - time.time()))
+        results = [sim.send(body) for sim, body in zip(sims, ready, strict=True)]
+        with counts.get_lock():
+            counts[0] += sum(results)
+            counts[1] += len(results) - sum(results)
+    for sim in sims:
+        sim.close()
+
+
+class RankSim:
+    """One rank's pushes: its snapshot moving as training would, over a stream or one request each."""
+
+    def __init__(self, port: int, template: dict[str, Any], rank: int, transport: str) -> None:
+        from trainpatrol.probe.push_stream import PushStream
+        from trainpatrol.probe.snapshot_delta import DeltaEncoder
+
         snap = copy.deepcopy(template)
         snap.update(rank=rank, local_rank=rank % 8, pid=100_000 + rank, instance=f"{rank:016x}")
         for s in snap["samples"]:
             if "local_rank" in s["labels"]:
                 s["labels"]["local_rank"] = str(rank % 8)
-        base, rng = copy.deepcopy(snap), random.Random(rank)
-        seq, step = 0, int(snap["step"])
-        next_at = time.monotonic() + rng.random()
-        conn: http.client.HTTPConnection | None = None  # kept alive between pushes, as Patrol does
-        stream, delta = PushStream("127.0.0.1", port, timeout=5.0), DeltaEncoder()
-        while not stop.is_set():
-            time.sleep(max(0.0, next_at - time.monotonic()))
-            next_at += 1.0
-            seq, step = seq + 1, step + 30
-            snap.update(seq=seq, step=step, time=time.time())
-            advance(snap, base, 30, rng)
-            try:
-                if transport == "stream":
-                    if not stream.is_open:
-                        stream.open()
-                        delta.reset()
-                    stream.send(delta.encode(snap))
-                    ok = not any("status" in reply for reply in stream.replies()) and not stream.ended
-                else:
-                    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
-                    conn.request("POST", "/v1/push", body=json.dumps(snap).encode(),
-                                 headers={"Content-Type": "application/json"})
-                    resp = conn.getresponse()
-                    resp.read()
-                    ok = resp.status == 200
-            except (OSError, http.client.HTTPException):
-                ok = False
-                stream.close()
-                if conn is not None:
-                    conn.close()
-                conn = None
-            with counts.get_lock():
-                counts[0 if ok else 1] += 1
-        if stream.is_open:
-            stream.finish()
-            stream.close()
+        self.snap, self.base, self.rng = snap, copy.deepcopy(snap), random.Random(rank)
+        self.port, self.transport = port, transport
+        self.seq, self.step = 0, int(snap["step"])
+        self.conn: http.client.HTTPConnection | None = None  # kept alive between pushes, as Patrol does
+        self.stream, self.delta = PushStream("127.0.0.1", port, timeout=5.0), DeltaEncoder()
 
-    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    stop.wait()
-    for t in threads:
-        t.join(6.0)
+    def prepare(self, at: float) -> bytes | None:
+        """The next push's body, taken at ``at``; None where the stream could not be opened."""
+        self.seq, self.step = self.seq + 1, self.step + 30
+        self.snap.update(seq=self.seq, step=self.step, time=at)
+        advance(self.snap, self.base, 30, self.rng)
+        if self.transport != "stream":
+            return json.dumps(self.snap).encode()
+        try:
+            if not self.stream.is_open:
+                self.stream.open()
+                self.delta.reset()
+        except OSError:
+            return None
+        return self.delta.encode(self.snap)
+
+    def send(self, body: bytes | None) -> bool:
+        if body is None:
+            return False
+        try:
+            if self.transport == "stream":
+                self.stream.send(body)
+                return not any("status" in reply for reply in self.stream.replies()) and not self.stream.ended
+            self.conn = self.conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=5.0)
+            self.conn.request("POST", "/v1/push", body=body, headers={"Content-Type": "application/json"})
+            resp = self.conn.getresponse()
+            resp.read()
+            return resp.status == 200
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return False
+
+    def close(self) -> None:
+        if self.stream.is_open and not self.stream.ended:
+            with contextlib.suppress(OSError):
+                self.stream.finish()
+        self.stream.close()
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
 
 
 def free_port() -> int:
@@ -217,7 +240,7 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         time.sleep(2.0)  # let every rank push at least twice before measuring
         proc = psutil.Process(agent.pid)
         pushed_before = counts[0]
-        cpu_before, wall_before = proc.cpu_times(), time.monotonic()
+        cpu_before, wall_before, switches_before = proc.cpu_times(), time.monotonic(), proc.num_ctx_switches()
         latencies, rss_peak, size = [], 0, 0
         next_at = time.monotonic()
         if not scrape_hz:  # what the rest costs without scrapes (docs/benchmarks.md, the breakdown)
@@ -231,7 +254,7 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
             size = len(body)
             if len(latencies) % 10 == 0:
                 rss_peak = max(rss_peak, proc.memory_info().rss)
-        cpu_after, wall_after = proc.cpu_times(), time.monotonic()
+        cpu_after, wall_after, switches_after = proc.cpu_times(), time.monotonic(), proc.num_ctx_switches()
         pushes = counts[0] - pushed_before
         rss_peak = max(rss_peak, proc.memory_info().rss)
         text = get(conn, "/metrics").decode()
@@ -261,6 +284,9 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         "scrape_ms_p99": round(percentile(ms, 0.99), 3) if ms else None,
         "scrape_ms_max": round(max(ms), 3) if ms else None,
         "cpu_core_share": round(cpu / wall, 4),
+        "cpu_user_share": round((cpu_after.user - cpu_before.user) / wall, 4),
+        "cpu_system_share": round((cpu_after.system - cpu_before.system) / wall, 4),
+        "wakeups_per_second": round((switches_after.voluntary - switches_before.voluntary) / wall, 1),
         "rss_mb_peak": round(rss_peak / 2**20, 1),
         "pushes_per_second": round(pushes / wall, 2),
         "push_errors": counts[1],

@@ -445,3 +445,52 @@ def test_promtool_check_metrics_on_8_gpus() -> None:
     result = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert result.stdout.strip() == b"" and result.stderr.strip() == b""
+
+
+def test_slow_readings_are_taken_every_slow_interval_and_carried_between() -> None:
+    clock = Clock()
+    fake, collector, reg = setup(gpus=2, clock=clock, pcie=True, slow_interval_seconds=5.0)
+    collector.sample_once()
+    energy = value(reg, "gpu_energy_joules_total", gpu(1))
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 4 and fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
+    fake.set_value(1, "nvmlDeviceGetTotalEnergyConsumption", 9_000_000)  # mJ
+    fake.set_value(1, "nvmlDeviceGetTotalEccErrors/0/0", 4)
+    fake.set_value(1, "nvmlDeviceGetPowerUsage", 123_456)  # mW, a fast reading
+    for _ in range(4):
+        clock.now += 1.0
+        collector.sample_once()
+        assert value(reg, "gpu_power_watts", gpu(1)) == 123.456
+        assert value(reg, "gpu_energy_joules_total", gpu(1)) == energy  # the last slow reading, carried
+        assert value(reg, "gpu_ecc_errors_total", gpu(1, type="corrected")) == 0.0
+        assert value(reg, "gpu_pcie_throughput_bytes_per_second", gpu(1, direction="tx")) is not None
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 4 and fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 10
+    clock.now += 1.0  # 5 s after the first sample
+    collector.sample_once()
+    assert value(reg, "gpu_energy_joules_total", gpu(1)) == 9000.0
+    assert value(reg, "gpu_ecc_errors_total", gpu(1, type="corrected")) == 4.0
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 8 and fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 4
+
+
+def test_a_reinitialised_gpu_is_read_whole_at_once() -> None:
+    clock = Clock()
+    fake, collector, reg = setup(gpus=2, clock=clock, slow_interval_seconds=60.0)
+    collector.sample_once()
+    fake.set_value(0, "nvmlDeviceGetRemappedRows", [3, 1, 1, 0])
+    fake.lose_gpu(0)
+    clock.now += 1.0
+    collector.sample_once()
+    assert success(reg) == 0.0
+    fake.lose_gpu(0, lost=False)
+    clock.now += 1.0
+    collector.sample_once()  # well before the slow interval, but the first sample of a fresh init
+    assert value(reg, "gpu_remapped_rows", gpu(0, state="pending")) == 1.0
+
+
+def test_slow_interval_zero_reads_everything_every_sample() -> None:
+    fake, collector, _ = setup(gpus=1, slow_interval_seconds=0.0)
+    for _ in range(3):
+        collector.sample_once()
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3
+    with pytest.raises(ValueError, match="slow_interval_seconds=-1"):
+        NvmlCollector(fake, slow_interval_seconds=-1)

@@ -37,6 +37,9 @@ class AgentConfig:
     closed_expire_seconds: float = 60.0
     nvml: bool = True
     nvml_interval_seconds: float = 1.0
+    nvml_slow_interval_seconds: float = 5.0
+    """Energy, ECC, retired pages, remapped rows, power limit and PCIe are read this often: counters,
+    near-constant settings, and the calls that block (energy about 3 ms, PCIe about 20 ms per GPU)."""
     nvml_pcie: bool = False
     """PCIe throughput costs about 20 ms per GPU per sample, so it is opt-in."""
     nvml_processes: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -12,8 +13,11 @@ import uvicorn
 
 from .app import Agent
 from .config import AgentConfig
+from .quiet_server import QuietServer
 
 log = logging.getLogger(__name__)
+STARTUP_FAILURE = 3
+"""The exit status of ``uvicorn.run`` when the server could not start (a port in use, say)."""
 FAKE_DELAYS_ENV = "TRAINPATROL_NVML_FAKE_DELAYS"
 """JSON {"nvmlFunction": seconds} slowing the fake's calls as on real GPUs (bench/scrape.py)."""
 
@@ -30,7 +34,8 @@ def build_nvml(config: AgentConfig, agent_store_pids: Any) -> Any:
 
         delays = json.loads(os.environ.get(FAKE_DELAYS_ENV) or "{}")
         source = FakeNvml.from_fixture(config.nvml_fake, delays=delays)
-    return NvmlCollector(source, interval_seconds=config.nvml_interval_seconds, pcie=config.nvml_pcie,
+    return NvmlCollector(source, interval_seconds=config.nvml_interval_seconds,
+                         slow_interval_seconds=config.nvml_slow_interval_seconds, pcie=config.nvml_pcie,
                          processes=config.nvml_processes, pid_to_rank=agent_store_pids)
 
 
@@ -54,8 +59,13 @@ def serve(config: AgentConfig) -> None:
     gc.set_threshold(10_000, 50, 100)
     log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)
     try:
-        uvicorn.run(agent.app, host=config.host, port=config.port, log_level=config.log_level,
-                    access_log=False, timeout_graceful_shutdown=2)
+        server = QuietServer(uvicorn.Config(agent.app, host=config.host, port=config.port,
+                                            log_level=config.log_level, access_log=False,
+                                            timeout_graceful_shutdown=2))
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started:  # the port was taken, say: fail as uvicorn.run does
+            raise SystemExit(STARTUP_FAILURE)
     finally:
         if agent.nvml is not None:
             agent.nvml.stop()

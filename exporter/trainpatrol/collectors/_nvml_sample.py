@@ -60,8 +60,16 @@ def read_identity(call: Call, handle: object, index: int) -> dict[str, str]:
     }
 
 
-def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool) -> dict[str, Any]:
-    """Raw readings of one GPU, keyed ``name[/arg...]`` like the fixture; None where unsupported."""
+SLOW_CALLS = ("nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTotalEnergyConsumption",
+              "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetRemappedRows")
+"""Read every slow interval: counters (energy, ECC, retired pages, remapped rows), settings that
+rarely move (power limit, PCIe link), and the calls that block (energy about 3 ms, PCIe throughput
+about 20 ms a call on an H200). Each blocking call is a wake-up of the sampler thread."""
+
+
+def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool, slow: bool = True) -> dict[str, Any]:
+    """Raw readings of one GPU, keyed ``name[/arg...]`` like the fixture; None where unsupported. With
+    ``slow`` False, the readings of SLOW_CALLS, ECC, retired pages and PCIe throughput are left out."""
     raw: dict[str, Any] = {}
 
     def get(name: str, *args: int) -> None:
@@ -69,9 +77,7 @@ def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool) -> dict
         raw["/".join([name, *map(str, args)])] = call(name, handle, *fn_args)
 
     for name in ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPowerUsage",
-                 "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTotalEnergyConsumption",
-                 "nvmlDeviceGetPerformanceState", "nvmlDeviceGetCurrPcieLinkGeneration",
-                 "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetRemappedRows"):
+                 "nvmlDeviceGetPerformanceState"):
         get(name)
     get("nvmlDeviceGetTemperature", TEMPERATURE_GPU)
     get("nvmlDeviceGetFieldValues", FI_DEV_MEMORY_TEMP)
@@ -80,6 +86,12 @@ def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool) -> dict
     get("nvmlDeviceGetCurrentClocksEventReasons")
     if raw["nvmlDeviceGetCurrentClocksEventReasons"] is None:  # drivers before 535
         get("nvmlDeviceGetCurrentClocksThrottleReasons")
+    if processes:
+        get("nvmlDeviceGetComputeRunningProcesses")
+    if not slow:
+        return raw
+    for name in SLOW_CALLS:
+        get(name)
     for error_type in (MEMORY_ERROR_CORRECTED, MEMORY_ERROR_UNCORRECTED):
         get("nvmlDeviceGetTotalEccErrors", error_type, VOLATILE_ECC)
     for cause in (RETIRED_MULTIPLE_SBE, RETIRED_DBE):
@@ -87,8 +99,6 @@ def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool) -> dict
     if pcie:  # about 20 ms per call on an H200
         get("nvmlDeviceGetPcieThroughput", PCIE_UTIL_TX_BYTES)
         get("nvmlDeviceGetPcieThroughput", PCIE_UTIL_RX_BYTES)
-    if processes:
-        get("nvmlDeviceGetComputeRunningProcesses")
     return raw
 
 

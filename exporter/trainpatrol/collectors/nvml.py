@@ -47,7 +47,7 @@ class NvmlCollector:
     """Samples every GPU on a background thread and counts XID events on another."""
 
     max_backoff_seconds = 60.0
-    event_timeout_ms = 200
+    event_timeout_ms = 500
     """Bound on one nvmlEventSetWait, so that stop() returns promptly."""
 
     def __init__(
@@ -55,6 +55,7 @@ class NvmlCollector:
         nvml: object | None = None,
         *,
         interval_seconds: float = 1.0,
+        slow_interval_seconds: float = 5.0,
         pcie: bool = False,
         processes: bool = False,
         pid_to_rank: Callable[[], dict[int, tuple[str, str]]] | None = None,
@@ -63,8 +64,14 @@ class NvmlCollector:
         if not interval_seconds > 0:
             raise ValueError(
                 f"`NvmlCollector(interval_seconds={interval_seconds!r})` is not a positive interval.")
+        if not slow_interval_seconds >= 0:
+            raise ValueError(f"`NvmlCollector(slow_interval_seconds={slow_interval_seconds!r})` is not an interval "
+                             "of 0 seconds (every sample) or more.")
         self._nvml: Any = nvml
         self.interval_seconds = interval_seconds
+        self.slow_interval_seconds = slow_interval_seconds
+        """Energy, ECC, retired pages, remapped rows, power limit and PCIe (ns.SLOW_CALLS) are read
+        this often; samples in between carry their last readings."""
         self.stale_after_seconds = max(5.0, 5 * interval_seconds)
         """collect() fails when the last sample is older than this (a hung NVML call, say)."""
         self._pcie, self._processes = pcie, processes
@@ -78,6 +85,8 @@ class NvmlCollector:
         self._gpus: list[Gpu] | None = None  # set while NVML is initialised for the sampler
         self._generation = 0  # bumped on every (re-)initialisation, so the event thread re-registers
         self._driver_version = ""
+        self._last_raw: dict[str, dict[str, Any]] = {}  # by uuid: the last readings, slow ones included
+        self._slow_due = float("-inf")
         self._initialised = False
         self._backoff = interval_seconds
         self._logged: set[str] = set()
@@ -155,13 +164,14 @@ class NvmlCollector:
             try:
                 gpus = self._gpus if self._gpus is not None else self._init()
                 ranks = self._ranks() if self._processes else None
+                slow = started >= self._slow_due
                 samples = [
-                    ns.sample_gpu(
-                        info, ns.read_gpu(self._call, handle, pcie=self._pcie, processes=self._processes),
-                        driver_version=self._driver_version, timestamp=self._clock(), pid_to_rank=ranks,
-                    )
+                    ns.sample_gpu(info, self._read(handle, info["uuid"], slow), driver_version=self._driver_version,
+                                  timestamp=self._clock(), pid_to_rank=ranks)
                     for handle, info in gpus
                 ]
+                if slow:
+                    self._slow_due = started + self.slow_interval_seconds
             except Exception as exc:  # the sampler must outlive any driver or GPU fault
                 return self._fail(exc)
             sample = {"timestamp": started, "driver_version": self._driver_version, "gpus": samples}
@@ -174,6 +184,14 @@ class NvmlCollector:
                 self._failures_logged.clear()
             self._backoff = self.interval_seconds
             return max(0.0, self.interval_seconds - (time.monotonic() - begun))
+
+    def _read(self, handle: object, uuid: str, slow: bool) -> dict[str, Any]:
+        """This GPU's readings: all of them when ``slow``, else the fast ones over the last slow ones."""
+        last = self._last_raw.get(uuid)
+        if slow or last is None:
+            raw = self._last_raw[uuid] = ns.read_gpu(self._call, handle, pcie=self._pcie, processes=self._processes)
+            return raw
+        return {**last, **ns.read_gpu(self._call, handle, pcie=self._pcie, processes=self._processes, slow=False)}
 
     # -- sampler -------------------------------------------------------------------------------
 
@@ -218,6 +236,8 @@ class NvmlCollector:
         return delay
 
     def _shutdown(self) -> None:
+        self._last_raw.clear()  # a re-initialised GPU is read whole first
+        self._slow_due = float("-inf")
         with self._lock:
             self._gpus = None
             self._generation += 1

@@ -5,6 +5,10 @@ chunk rather than one HTTP request; an agent without the stream gets one ``POST 
 ``push_now`` (a state change, the final snapshot) is its own request, confirmed when it returns.
 Pushes are bounded in time, retried with backoff, and a dropped push is counted; the training loop
 never waits for the agent. Commands in the agent's replies are handed to ``on_commands`` as they arrive.
+
+Periodic pushes fall on whole multiples of the interval on the wall clock (``next_push_delay``), so
+the ranks of a node push in the same instant and their agent wakes once for all of them rather than
+once per rank: on an idle core a wake-up cost the agent more than a small push (bench/scrape.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from .push_stream import PushStream, StreamRefused
 from .snapshot_delta import DeltaEncoder
 
 log = logging.getLogger("trainpatrol")
+
+
+def next_push_delay(interval: float, now: float) -> float:
+    """Seconds from ``now`` (wall clock) to the next whole multiple of ``interval``, skipping one
+    that is less than a tenth of an interval away (a push that ran late must not be followed at once)."""
+    delay = interval - now % interval
+    return delay + interval if delay < interval / 10 else delay
 
 
 class Publisher:
@@ -98,8 +109,12 @@ class Publisher:
     def _loop(self) -> None:
         backoff = self.interval
         while not self._stop.is_set():
-            backoff = self.interval if self._push_periodic() else min(backoff * 2, self._max_backoff)
-            self._wait(backoff)
+            if self._push_periodic():
+                backoff = self.interval
+                self._wait(next_push_delay(self.interval, time.time()))
+            else:
+                backoff = min(backoff * 2, self._max_backoff)
+                self._wait(backoff)
 
     def _wait(self, seconds: float) -> None:
         """Until ``seconds`` pass or ``wake``; meanwhile hands on commands the agent streams back."""
