@@ -88,7 +88,7 @@ def test_garbage_push_is_422_and_counted() -> None:
     r = client.post("/v1/push", json={"run": "bad run/../x", "rank": 0}, headers=AUTH)
     assert r.status_code == 422
     assert agent.stats.pushes["invalid"] == 3
-    assert agent.store.entries() == []
+    assert agent.store.entries() == ()
 
 
 def test_oversized_push_is_413() -> None:
@@ -103,7 +103,7 @@ def test_oversized_push_is_413() -> None:
     r = client.post("/v1/push", content=chunks(), headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["detail"] == \
         "Request body of more than 1000 bytes is over the limit of 1000 bytes."
-    assert agent.stats.pushes["too_large"] == 2 and agent.store.entries() == []
+    assert agent.stats.pushes["too_large"] == 2 and agent.store.entries() == ()
 
 
 def test_push_token_is_checked_before_the_body_is_read() -> None:
@@ -126,7 +126,7 @@ def test_unreadable_push_is_422_with_message(content: bytes, content_type: str, 
     agent, client = make_agent()
     r = client.post("/v1/push", content=content, headers={**AUTH, "Content-Type": content_type})
     assert r.status_code == 422 and fragment in r.json()["detail"], r.json()
-    assert agent.stats.pushes["invalid"] == 1 and agent.store.entries() == []
+    assert agent.stats.pushes["invalid"] == 1 and agent.store.entries() == ()
 
 
 def test_duplicate_alert_makes_one_command() -> None:

@@ -110,7 +110,7 @@ def test_chunked_body_over_the_limit_is_413() -> None:
 
     r = client.post("/v1/push", content=body(), headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 413 and "over the limit of 1000 bytes" in r.json()["detail"]
-    assert agent.stats.pushes["ok"] == 0 and agent.store.entries() == []
+    assert agent.stats.pushes["ok"] == 0 and agent.store.entries() == ()
     ok = client.post("/v1/push", content=iter([b'{"run": "r1", ', b'"rank": 0}']),
                      headers={**AUTH, "Content-Type": "application/json"})
     assert ok.status_code == 200

@@ -111,7 +111,7 @@ def test_a_delta_without_its_base_is_refused_with_a_reason(lines: list[dict[str,
     refused = answer(client, body(*lines))[-2]
     assert refused["status"] == 422 and fragment in refused["detail"], refused
     if len(lines) == 1:
-        assert agent.store.entries() == []
+        assert agent.store.entries() == ()
     else:  # the whole line stands, untouched by the refused delta
         assert values(agent) == {"trainpatrol_loss": 2.5, "trainpatrol_step_total": 10.0,
                                  "trainpatrol_learning_rate": 3e-4}
@@ -158,7 +158,7 @@ def test_a_refused_stream_gets_an_ordinary_error(headers: dict[str, str], status
     agent, client = make()
     r = client.post("/v1/push/stream", content=body(snap()), headers=headers)
     assert r.status_code == status and fragment in r.json()["detail"]
-    assert agent.store.entries() == []
+    assert agent.store.entries() == ()
 
 
 def test_a_live_stream_interleaves_pushes_commands_and_ends_cleanly() -> None:

@@ -40,6 +40,7 @@ class RankStore:
         self._seen_commands: dict[int, float] = {}
         self._next_expiry = float("inf")
         """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
+        self._entries: tuple[RankEntry, ...] | None = None  # sorted by (run, rank); None after any change
 
     # --- pushes -------------------------------------------------------------------------------
     def push(self, snap: RankSnapshot) -> list[Command]:
@@ -51,6 +52,7 @@ class RankStore:
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
+            self._entries = None
             entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(snap.run):
@@ -97,6 +99,7 @@ class RankStore:
             for key, e in list(self._ranks.items()):
                 if now > self._deadline(e):
                     del self._ranks[key]
+                    self._entries = None
             for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
                 kept = [c for c in queue if now - c.created < COMMAND_TTL_SECONDS]
                 if kept:
@@ -107,13 +110,22 @@ class RankStore:
                                      *(c.created + COMMAND_TTL_SECONDS for q in self._commands.values() for c in q)],
                                     default=float("inf"))
 
-    def entries(self) -> list[RankEntry]:
+    def entries(self) -> tuple[RankEntry, ...]:
+        """Every rank, sorted by (run, rank): the very same tuple until a push or an expiry changes it
+        (scrapes come several times between two batches of pushes)."""
         self.expire()
         with self._lock:
-            return [self._ranks[k] for k in sorted(self._ranks)]
+            if self._entries is None:
+                self._entries = tuple(self._ranks[k] for k in sorted(self._ranks))
+            return self._entries
 
     def is_up(self, entry: RankEntry) -> bool:
         return entry.snapshot.state != "closed" and self._clock() - entry.last_push <= self.rank_up_ttl
+
+    def up(self, entries: tuple[RankEntry, ...]) -> list[bool]:
+        """``is_up`` of each entry, at one reading of the clock (every scrape asks for all of them)."""
+        now, ttl = self._clock(), self.rank_up_ttl
+        return [now - e.last_push <= ttl and e.snapshot.state != "closed" for e in entries]
 
     def hosts_run(self, run: str) -> bool:
         return any(e.snapshot.run == run for e in self.entries())

@@ -46,7 +46,7 @@ def _liveness(e: RankEntry) -> Liveness:
 class _Scrape:
     """What a scrape served, per entry in store order; the next scrape reuses what did not change."""
 
-    entries: list[RankEntry]
+    entries: tuple[RankEntry, ...]
     up: list[bool]
     lines: list[Lines]
     liveness: list[Liveness]
@@ -69,13 +69,13 @@ class RankCollector:
 
     def collect(self) -> Iterator[Metric]:
         entries = self._store.entries()
-        up = [self._store.is_up(e) for e in entries]
+        up = self._store.up(entries)
         last = self._last
-        if last is None or last.up != up or not all(map(is_, last.entries, entries)):  # equal ups: equal lengths
+        if last is None or last.up != up or (last.entries is not entries and not all(map(is_, last.entries, entries))):  # equal ups: equal lengths
             last = self._last = self._scrape(entries, up, last)
         return iter(last.families)
 
-    def _scrape(self, entries: list[RankEntry], up: list[bool], last: _Scrape | None) -> _Scrape:
+    def _scrape(self, entries: tuple[RankEntry, ...], up: list[bool], last: _Scrape | None) -> _Scrape:
         """Families for ``entries``. Only the entries ``last`` did not serve are formatted, and only the
         families whose lines they changed are joined again (most lines stay put from push to push)."""
         lines: list[Lines]
@@ -130,7 +130,7 @@ class RankCollector:
         return cached.columns
 
 
-def _liveness_samples(i: int, entries: list[RankEntry], up: list[bool]) -> SamplesFn:
+def _liveness_samples(i: int, entries: tuple[RankEntry, ...], up: list[bool]) -> SamplesFn:
     """The samples of the ``i``-th liveness family, built only when someone asks."""
     def build() -> list[Sample]:
         name, help_ = _LIVENESS[i]
@@ -142,6 +142,6 @@ def _liveness_samples(i: int, entries: list[RankEntry], up: list[bool]) -> Sampl
     return build
 
 
-def _samples_of(name: str, entries: list[RankEntry]) -> SamplesFn:
+def _samples_of(name: str, entries: tuple[RankEntry, ...]) -> SamplesFn:
     """The family's samples, built only when someone asks (generate_latest, tests), never per scrape."""
     return lambda: [s for e in entries for s in family_samples(e.snapshot).get(name, [])]
