@@ -158,8 +158,14 @@ def render_markdown() -> str:
         "",
     ]
     titles = {"rank": "Rank metrics (pushed by Patrol)", "agent": "Agent metrics", "nvml": "GPU metrics (NVML)"}
+    notes = {"nvml": ["A background thread samples the GPUs every `--nvml-interval` (1 s). Energy, ECC errors,",
+                      "retired pages, remapped rows, the power limit and PCIe (link and throughput) are read every",
+                      "`--nvml-slow-interval` (5 s) and carried by the samples in between: counters, settings that",
+                      "rarely move, and the calls that block (energy about 3 ms, PCIe throughput about 20 ms a GPU).",
+                      ""]}
     for source, title in titles.items():
-        out += [f"## {title}", "", "| name | type | unit | labels | help |", "| --- | --- | --- | --- | --- |"]
+        out += [f"## {title}", "", *notes.get(source, []), "| name | type | unit | labels | help |",
+                "| --- | --- | --- | --- | --- |"]
         for m in ALL_METRICS:
             if m.source == source:
                 labels = ", ".join(f"`{label}`" for label in m.all_labels)
