@@ -240,6 +240,7 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         time.sleep(2.0)  # let every rank push at least twice before measuring
         proc = psutil.Process(agent.pid)
         pushed_before = counts[0]
+        threads_before = _thread_cpu(proc)
         cpu_before, wall_before, switches_before = proc.cpu_times(), time.monotonic(), proc.num_ctx_switches()
         latencies, rss_peak, size = [], 0, 0
         next_at = time.monotonic()
@@ -255,6 +256,7 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
             if len(latencies) % 10 == 0:
                 rss_peak = max(rss_peak, proc.memory_info().rss)
         cpu_after, wall_after, switches_after = proc.cpu_times(), time.monotonic(), proc.num_ctx_switches()
+        threads_after = _thread_cpu(proc)
         pushes = counts[0] - pushed_before
         rss_peak = max(rss_peak, proc.memory_info().rss)
         text = get(conn, "/metrics").decode()
@@ -286,6 +288,8 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         "cpu_core_share": round(cpu / wall, 4),
         "cpu_user_share": round((cpu_after.user - cpu_before.user) / wall, 4),
         "cpu_system_share": round((cpu_after.system - cpu_before.system) / wall, 4),
+        "cpu_core_share_by_thread": {name: round((threads_after[name] - threads_before.get(name, 0.0)) / wall, 4)
+                                     for name in sorted(threads_after)},
         "wakeups_per_second": round((switches_after.voluntary - switches_before.voluntary) / wall, 1),
         "rss_mb_peak": round(rss_peak / 2**20, 1),
         "pushes_per_second": round(pushes / wall, 2),
@@ -294,6 +298,19 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         "series": sum(1 for line in text.splitlines() if line and not line.startswith("#")),
         "collector_duration_seconds": _collector_durations(text),
     }
+
+
+def _thread_cpu(proc: psutil.Process) -> dict[str, float]:
+    """CPU seconds of the agent's threads, by thread name (Linux); the event loop is ``main``."""
+    out: dict[str, float] = {}
+    for t in proc.threads():
+        try:
+            name = Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
+        except OSError:
+            continue
+        name = "main" if t.id == proc.pid else name
+        out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+    return out
 
 
 def _ready(port: int, ranks: int, nvml: bool) -> bool:

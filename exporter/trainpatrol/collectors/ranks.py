@@ -71,7 +71,8 @@ class RankCollector:
         entries = self._store.entries()
         up = self._store.up(entries)
         last = self._last
-        if last is None or last.up != up or (last.entries is not entries and not all(map(is_, last.entries, entries))):  # equal ups: equal lengths
+        if last is None or last.up != up or (  # equal ups: equal lengths
+                last.entries is not entries and not all(map(is_, last.entries, entries))):
             last = self._last = self._scrape(entries, up, last)
         return iter(last.families)
 
