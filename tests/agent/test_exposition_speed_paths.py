@@ -6,13 +6,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from fake_clock import T0, Clock
-from trainpatrol.agent.exposition import Families, RenderedFamily, exposition, render
+from trainpatrol.agent.exposition import Families, RenderedFamily, exposition, render, sample_line
 from trainpatrol.agent.store import RankStore
 from trainpatrol.catalogue import STEP_DURATION_BUCKETS
 from trainpatrol.collectors.agent_self import AgentStats
@@ -310,3 +311,14 @@ def test_scrapes_on_other_threads_while_ranks_push() -> None:
     assert not errors, errors
     body = ranks.body()
     assert [value(body, "trainpatrol_step_total", rank) for rank in range(4)] == ["296.0", "297.0", "298.0", "299.0"]
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, 1.0, 3, 999_999.9, 1e6, 1_234_567.0, -1e9, 1.5e300, -2.5e-7,
+                                   float("nan"), float("inf"), float("-inf")])
+def test_sample_line_writes_values_and_labels_as_generate_latest(value: float) -> None:
+    labels = {"uuid": 'GPU-"1"', "gpu": "0", "cause": "a\\b\nc"}
+    family = GaugeMetricFamily("trainpatrol_x", "x", labels=sorted(labels))
+    family.add_metric([labels[k] for k in sorted(labels)], value)
+    expected = generate_latest(Families([family])).decode().split("\n", 2)[2]
+    assert sample_line("trainpatrol_x", labels, value) == expected
+    assert sample_line("trainpatrol_x", labels, value) == expected  # again, from the label-block cache

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import generate_latest
@@ -20,6 +21,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+_MAX = sys.float_info.max
 SamplesFn = Callable[[], list[Sample]]
 """Builds a rendered family's samples, for the rare reader that asks for ``Sample`` objects."""
 
@@ -70,15 +72,22 @@ _OPENMETRICS_ONLY = ("_created", "_gsum", "_gcount")
 
 def _plain(samples: list[Sample]) -> bool:
     """True when ``sample_line`` formats the samples exactly as ``generate_latest`` does."""
-    names: set[str] = set()
-    labels: set[str] = set()
     for s in samples:
         if s.timestamp is not None or s.exemplar is not None or s.native_histogram is not None:
             return False
-        names.add(s.name)
-        labels.update(s.labels)
-    return (all(_METRIC_NAME.match(n) and not n.endswith(_OPENMETRICS_ONLY) for n in names)
-            and all(_LABEL_NAME.match(k) for k in labels))
+        if not _plain_name(s.name) or not all(map(_plain_label, s.labels)):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_name(name: str) -> bool:
+    return bool(_METRIC_NAME.match(name)) and not name.endswith(_OPENMETRICS_ONLY)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_label(name: str) -> bool:
+    return bool(_LABEL_NAME.match(name))
 
 
 def _text(m: Metric, samples: list[Sample]) -> str:
@@ -99,10 +108,17 @@ def escape(value: str) -> str:
 
 def sample_line(name: str, labels: Mapping[str, str], value: float) -> str:
     """One sample as ``generate_latest`` writes it, for a valid metric name and valid label names."""
+    # floatToGoString(v) is repr(v) for finite v below 1e6, and a call costs more than the test
+    text = repr(value) if -_MAX <= value < 1e6 and type(value) is float else floatToGoString(value)
     if labels:
-        block = ",".join([f'{k}="{escape(v)}"' for k, v in sorted(labels.items())])
-        return f"{name}{{{block}}} {floatToGoString(value)}\n"
-    return f"{name} {floatToGoString(value)}\n"
+        return f"{name}{{{_label_block(tuple(labels.items()))}}} {text}\n"
+    return f"{name} {text}\n"
+
+
+@functools.lru_cache(maxsize=16384)
+def _label_block(items: tuple[tuple[str, str], ...]) -> str:
+    """The labels as the text format writes them; the same label sets come back every sample."""
+    return ",".join([f'{k}="{escape(v)}"' for k, v in sorted(items)])
 
 
 def render(families: Iterable[Metric]) -> list[RenderedFamily]:
