@@ -206,3 +206,31 @@ def test_an_agent_without_the_stream_is_told_apart() -> None:
     with agent_in_thread(agent.api) as port, pytest.raises(StreamRefused) as refused:
         PushStream("127.0.0.1", port, timeout=5.0).open()
     assert refused.value.status == 404 and refused.value.detail == "Not Found"
+
+
+def test_a_burst_of_lines_lets_a_waiting_scrape_in_every_few_lines() -> None:
+    import asyncio
+
+    from trainpatrol.agent.push_stream import PushStream as AgentStream
+    from trainpatrol.agent.push_stream import _Stream
+    from trainpatrol.collectors.agent_self import AgentStats
+
+    order: list[Any] = []
+    handler = AgentStream(accept=lambda s: order.append(s.rank) or [], stats=AgentStats("agent"),
+                          max_line=1_000_000, idle_seconds=60.0)
+
+    async def sent(message: Any) -> None:
+        pass
+
+    async def main() -> None:
+        stream = _Stream(sent)
+        for rank in range(20):  # the ranks of a node, pushing in the same instant
+            handler._enqueue(stream, json.dumps(snap(rank=rank, world_size=64)).encode(), rank + 1)
+        handler._flush.cancel()  # type: ignore[union-attr]
+        batch = asyncio.get_running_loop().create_task(handler._handle_queue())
+        await asyncio.sleep(0)  # the batch starts; a scrape arrives while it runs
+        order.append("scrape")
+        await batch
+
+    asyncio.run(main())
+    assert order == [*range(8), "scrape", *range(8, 20)]

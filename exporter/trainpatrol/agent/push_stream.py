@@ -63,6 +63,9 @@ class PushStream:
                  idle_seconds: float, batch_seconds: float = 0.25) -> None:
         self.accept, self.stats = accept, stats
         self.max_line, self.idle_seconds, self.batch_seconds = max_line, idle_seconds, batch_seconds
+        self.lines_per_turn = 8
+        """Lines handled before a scrape waiting meanwhile gets its turn: the ranks of a node push in
+        the same instant, and 64 lines at once held the event loop for several milliseconds."""
         self._queue: list[tuple[_Stream, bytes, int]] = []
         self._flush: asyncio.TimerHandle | None = None
 
@@ -118,7 +121,9 @@ class PushStream:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
-                for stream, line, number in batch:
+                for i, (stream, line, number) in enumerate(batch):
+                    if i and not i % self.lines_per_turn:
+                        await asyncio.sleep(0)  # a scrape waiting meanwhile is answered between lines
                     try:
                         await self._line(stream, line, number)
                     except Exception:  # one line's failure, or a send to a peer that left, costs no other line
