@@ -1,9 +1,9 @@
 """uvicorn's server with a main loop that wakes once a second instead of ten times.
 
-uvicorn's own loop sleeps 0.1 s between checks for a shutdown request. On an idle core each of
-those wake-ups cost the agent about 0.1 ms of CPU (bench/scrape.py, ``--ranks 0 --scrape-hz 0
---no-nvml``): a tenth of its whole budget at 64 ranks. This loop refreshes the Date header once a
-second, as uvicorn does, and a shutdown signal (or ``stop``) wakes it at once.
+uvicorn's own loop sleeps 0.1 s between checks for a shutdown request. On the development VM a
+wake-up from an idle wait costs far more CPU than the check: an idle agent used 5.6 ms of CPU a
+second with uvicorn's loop and 2.8 ms with this one (docs/benchmarks.md, "Wake-ups"). This loop
+refreshes the Date header once a second, as uvicorn does, and a shutdown signal wakes it at once.
 """
 
 from __future__ import annotations
@@ -36,14 +36,6 @@ class QuietServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
-        self._wake_soon()
-
-    def stop(self) -> None:
-        """Ask the server to shut down, from any thread."""
-        self.should_exit = True
-        self._wake_soon()
-
-    def _wake_soon(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake)
 

@@ -62,9 +62,9 @@ def read_identity(call: Call, handle: object, index: int) -> dict[str, str]:
 
 SLOW_CALLS = ("nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTotalEnergyConsumption",
               "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetRemappedRows")
-"""Read every slow interval: counters (energy, ECC, retired pages, remapped rows), settings that
-rarely move (power limit, PCIe link), and the calls that block (energy about 3 ms, PCIe throughput
-about 20 ms a call on an H200). Each blocking call is a wake-up of the sampler thread."""
+"""Read every slow interval, with ECC, retired pages and PCIe throughput (calls with arguments, in
+read_gpu): counters, settings that rarely move (power limit, PCIe link), and the calls that block
+(energy about 3 ms, PCIe throughput about 20 ms a call on an H200), each a wake-up of the sampler."""
 
 
 def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool, slow: bool = True) -> dict[str, Any]:

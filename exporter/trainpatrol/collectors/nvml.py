@@ -47,7 +47,7 @@ class NvmlCollector:
     """Samples every GPU on a background thread and counts XID events on another."""
 
     max_backoff_seconds = 60.0
-    event_timeout_ms = 500
+    event_timeout_ms = 200
     """Bound on one nvmlEventSetWait, so that stop() returns promptly."""
 
     def __init__(
