@@ -2,10 +2,12 @@
 real GPU, 8 and then 64 ranks pushing once a second, and a scraper asking for /metrics 10 times a
 second. Reports scrape latency (p50/p99), the agent's CPU share of one core and its RSS, as JSON:
 
-    python bench/scrape.py [--quick] [--ranks 8,64] [--seconds 30] [--transport stream,request]
+    python bench/scrape.py [--quick] [--ranks 8,64] [--seconds 30] [--transport stream,request] [--baseline]
 
 Where the CPU goes: ``--ranks 0 --scrape-hz 0 --no-nvml`` (an idle agent), then add NVML, pushing
-ranks or scrapes one at a time.
+ranks or scrapes one at a time. ``--baseline`` runs each configuration again on bench/bare_agent.py,
+the agent's server doing none of its work, and reports ``cpu_core_share_over_bare``: on a VM whose
+wake-ups cost twice as much one hour as the next, the difference moves less than either figure.
 
 The rank payload is a real Patrol snapshot (scripted steps, an H200-sized allocator reading), sent
 as each rank with world_size 64. Every push moves what a second of training moves (counters, loss,
@@ -220,7 +222,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, Any], transport: str,
-            log_dir: Path, nvml: bool = True) -> dict[str, Any]:
+            log_dir: Path, nvml: bool = True, bare_bytes: int = 0) -> dict[str, Any]:
+    """One configuration against the agent, or, with ``bare_bytes``, against bench/bare_agent.py
+    serving a /metrics body of that size."""
     port = free_port()
     env = dict(os.environ, TRAINPATROL_NVML_FAKE_DELAYS=json.dumps(DELAYS), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "exporter"), env.get("PYTHONPATH", "")])
@@ -228,6 +232,9 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
     cmd = [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port),
            *(["--nvml-fake", str(fixture), "--nvml-pcie"] if nvml else ["--no-nvml"]), "--log-level", "warning"]
     log = open(log_dir / f"agent-{ranks}.log", "wb")  # noqa: SIM115 - closed in the finally below
+    if bare_bytes:
+        cmd = [sys.executable, str(REPO / "bench" / "bare_agent.py"), "--port", str(port),
+               "--body-bytes", str(bare_bytes)]
     agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("l", [0, 0])
@@ -235,7 +242,8 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
     try:
         wait_until("agent /healthz", lambda: get_once(port, "/healthz"), 30)
         pusher.start()
-        wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks, nvml), 30)
+        wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks, nvml and not bare_bytes,
+                                                                       transport if bare_bytes else ""), 30)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
         time.sleep(2.0)  # let every rank push at least twice before measuring
         proc = psutil.Process(agent.pid)
@@ -276,6 +284,7 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
     cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     ms = [x * 1000 for x in latencies]
     return {
+        "server": "bare" if bare_bytes else "agent",
         "ranks": ranks,
         "transport": transport,
         "nvml": nvml,
@@ -313,7 +322,10 @@ def _thread_cpu(proc: psutil.Process) -> dict[str, float]:
     return out
 
 
-def _ready(port: int, ranks: int, nvml: bool) -> bool:
+def _ready(port: int, ranks: int, nvml: bool, bare_transport: str = "") -> bool:
+    if bare_transport:  # bench/bare_agent.py counts its open streams and nothing else
+        streams = json.loads(get_once(port, "/healthz"))["streams"]
+        return streams == (ranks if bare_transport == "stream" else 0)
     runs = json.loads(get_once(port, "/v1/runs"))["runs"]
     hosted = sum(len(r["ranks"]) for r in runs)
     nvml_ok = 'trainpatrol_collector_success{collector="nvml"} 1.0' in get_once(port, "/metrics").decode()
@@ -336,6 +348,8 @@ def main() -> None:
     parser.add_argument("--ranks", default="8,64", help="comma-separated pushing-rank counts")
     parser.add_argument("--scrape-hz", type=float, default=10.0)
     parser.add_argument("--no-nvml", dest="nvml", action="store_false", help="an agent without the NVML collector")
+    parser.add_argument("--baseline", action="store_true",
+                        help="after each configuration, the same load on bench/bare_agent.py (the server alone)")
     parser.add_argument("--transport", default="stream",
                         help="comma-separated: stream (Patrol's default) and/or request (a POST per push)")
     args = parser.parse_args()
@@ -345,7 +359,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for transport in args.transport.split(","):
             for ranks in (int(x) for x in args.ranks.split(",")):
-                results.append(measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp), args.nvml))
+                result = measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp), args.nvml)
+                results.append(result)
+                if args.baseline:  # the same load on the bare server, straight after
+                    bare = measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp),
+                                   bare_bytes=max(result["exposition_bytes"], 1))
+                    result["cpu_core_share_over_bare"] = round(result["cpu_core_share"] - bare["cpu_core_share"], 4)
+                    results.append(bare)
+    bare_runs = [r for r in results if r["server"] == "bare"]
+    results = [r for r in results if r["server"] == "agent"]
     met = {f"p99_ms_at_{r['ranks']}_{r['transport']}": r["scrape_ms_p99"] <= TARGETS["p99_ms"] for r in results
            if r["scrapes"]}
     met |= {f"rss_mb_at_{r['ranks']}_{r['transport']}": r["rss_mb_peak"] <= TARGETS["rss_mb"] for r in results}
@@ -360,6 +382,7 @@ def main() -> None:
                   "seconds_per_config": seconds,
                   "samples_per_push": len(template["samples"]), "push_bytes": len(json.dumps(template))},
         "results": results,
+        "bare_server_results": bare_runs,
         "targets": TARGETS,
         "met": met,
     }
