@@ -6,8 +6,8 @@ second. Reports scrape latency (p50/p99), the agent's CPU share of one core and 
 
 Where the CPU goes: ``--ranks 0 --scrape-hz 0 --no-nvml`` (an idle agent), then add NVML, pushing
 ranks or scrapes one at a time. ``--baseline`` runs each configuration again on bench/bare_agent.py,
-the agent's server doing none of its work, and reports ``cpu_core_share_over_bare``: on a VM whose
-wake-ups cost twice as much one hour as the next, the difference moves less than either figure.
+the agent's server doing none of its work, straight after, and reports ``cpu_core_share_over_bare``:
+the agent's own work, apart from what the server costs under the same load.
 
 The rank payload is a real Patrol snapshot (scripted steps, an H200-sized allocator reading), sent
 as each rank with world_size 64. Every push moves what a second of training moves (counters, loss,
