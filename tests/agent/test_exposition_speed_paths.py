@@ -143,10 +143,10 @@ def test_an_expired_rank_disappears_and_leaves_the_cache() -> None:
     clock.now = T0 + EXPIRE + 0.001  # rank 1 has been silent for longer than EXPIRE, rank 0 has not
     body = ranks.body()
     assert 'rank="1"' not in body and liveness(body, 0)[0] == "0.0"
-    assert set(ranks.collector._rendered) == {("r1", 0)}
+    assert set(ranks.collector._layouts) == {("r1", 0)}
     clock.now = T0 + EXPIRE / 2 + EXPIRE + 0.001
     assert [ln for ln in ranks.body().splitlines() if not ln.startswith("#")] == []
-    assert ranks.collector._rendered == {}
+    assert ranks.collector._layouts == {}
 
 
 def test_a_rank_that_replaces_an_expired_one_at_its_place_is_served() -> None:
@@ -171,16 +171,14 @@ def test_only_the_families_a_push_changed_are_joined_again() -> None:
     ranks.push(snap(1, step=4, loss=0.75))
     after = ranks.families()
     changed = {name for name, f in after.items() if f.lines is not before[name].lines}
-    # the loss moved; liveness is joined again on every change, as the push time moved
-    assert changed == {"trainpatrol_loss", "trainpatrol_rank_last_push_timestamp_seconds", "trainpatrol_rank_up",
-                       "trainpatrol_rank_last_step_timestamp_seconds"}
+    # the loss moved; the clock did not, so the liveness lines read as before and are the same objects
+    assert changed == {"trainpatrol_loss"}
     body = ranks.body()
     assert [value(body, "trainpatrol_loss", rank) for rank in range(3)] == ["1.5", "0.75", "1.5"]
     ranks.push(snap(2, step=4, kinds=("loss", "grad")))  # a new series: the whole snapshot is formatted again
     latest = ranks.families()
     changed = {name for name, f in latest.items() if f.lines is not after[name].lines}
-    assert changed == {"trainpatrol_nonfinite_steps", "trainpatrol_rank_last_push_timestamp_seconds",
-                       "trainpatrol_rank_up", "trainpatrol_rank_last_step_timestamp_seconds"}
+    assert changed == {"trainpatrol_nonfinite_steps"}
     assert 'trainpatrol_nonfinite_steps_total{kind="grad",rank="2",run="r1"} 0.0' in ranks.body()
 
 
@@ -322,3 +320,37 @@ def test_sample_line_writes_values_and_labels_as_generate_latest(value: float) -
     expected = generate_latest(Families([family])).decode().split("\n", 2)[2]
     assert sample_line("trainpatrol_x", labels, value) == expected
     assert sample_line("trainpatrol_x", labels, value) == expected  # again, from the label-block cache
+
+
+def test_the_body_joins_a_collector_once_while_its_families_stay_the_same() -> None:
+    def durations_apart(body: bytes) -> list[bytes]:  # the collectors' own timings differ from run to run
+        return [ln for ln in body.splitlines() if b"collector_duration_seconds{" not in ln]
+
+    def broken() -> list[Any]:
+        raise RuntimeError("no")
+
+    clock = Clock()
+    ranks = Ranks(clock)
+    stats = AgentStats("agent")
+    collectors = CollectorSet({"ranks": ranks.collector, "agent": stats,
+                               "broken": type("C", (), {"collect": staticmethod(broken)})()})
+    registry = CollectorRegistry()
+    registry.register(collectors)
+    for rank in range(2):
+        ranks.push(snap(rank, step=3))
+    first = collectors.body()
+    assert durations_apart(first) == durations_apart(generate_latest(registry))
+    assert b'trainpatrol_collector_success{collector="broken"} 0.0' in first
+    parts = {name: joined[1] for name, joined in collectors._joined.items()}
+    assert set(parts) == {"ranks", "agent", "broken"}
+    second = collectors.body()
+    assert durations_apart(second) == durations_apart(first)
+    assert all(collectors._joined[name][1] is part for name, part in parts.items())  # nothing joined again
+    ranks.push(snap(1, step=4, loss=0.25))
+    stats.count("pushes", "ok")
+    third = collectors.body()
+    assert collectors._joined["ranks"][1] is not parts["ranks"] and collectors._joined["agent"][1] is not parts["agent"]
+    assert collectors._joined["broken"][1] is parts["broken"]
+    assert durations_apart(third) == durations_apart(generate_latest(registry))
+    assert value(third.decode(), "trainpatrol_loss", 1) == "0.25"
+    assert b'trainpatrol_pushes_total{outcome="ok"} 1.0' in third

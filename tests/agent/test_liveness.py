@@ -172,7 +172,7 @@ def test_metrics_endpoint_serves_pushes_formatted_at_push_time() -> None:
         body = {"run": "r1", "rank": rank, "world_size": 2, "step": step,
                 "samples": [{"name": "trainpatrol_step_total", "labels": {}, "value": step}]}
         assert client.post("/v1/push", json=body, headers={"Authorization": "Bearer t"}).status_code == 200
-    assert set(agent_.ranks._rendered) == {("r1", 0), ("r1", 1)}  # formatted as they arrived
+    assert set(agent_.ranks._layouts) == {("r1", 0), ("r1", 1)}  # formatted as they arrived
 
     def stable(body: bytes) -> list[str]:  # the collectors' own timings differ from call to call
         return [ln for ln in body.decode().splitlines() if "collector_duration_seconds{" not in ln]
@@ -227,7 +227,7 @@ def test_expired_rank_drops_out_of_the_render_cache(state: str) -> None:
     assert next(f for f in collector.collect() if f.name == "trainpatrol_step").samples
     clock.now = T0 + EXPIRE + 1
     assert not next(f for f in collector.collect() if f.name == "trainpatrol_step").samples
-    assert collector._rendered == {}
+    assert collector._layouts == {}
 
 
 def test_a_run_whose_ranks_all_stopped_pushing_is_down() -> None:
@@ -255,26 +255,45 @@ def test_command_queues_expire_with_their_ttl() -> None:
     assert store.pending("never-started") == []
 
 
-def test_lines_reused_from_the_last_push_equal_fresh_ones() -> None:
-    """A push reuses the lines of samples that did not change; the result equals a fresh rendering."""
-    from trainpatrol.collectors.rank_lines import rank_lines
+def test_a_table_of_ranks_writes_what_generate_latest_writes() -> None:
+    """Each family is written across ranks with one template; values it cannot write (NaN, ±Inf,
+    1e6 and above) take the line-by-line path, and ``%`` in a label is no placeholder."""
+    from prometheus_client.core import Metric
 
-    def samples(loss: float, zero: float, kind: str) -> list[dict[str, Any]]:
-        return [{"name": "trainpatrol_loss", "labels": {}, "value": loss},
-                {"name": "trainpatrol_grad_norm", "labels": {}, "value": zero},
-                {"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": kind}, "value": 3.0},
-                {"name": "trainpatrol_step_total", "labels": {}, "value": 7.0}]
+    from trainpatrol.agent.exposition import Families
+    from trainpatrol.collectors.rank_lines import FAMILIES, HISTOGRAM_AT, Layout, Table, family_samples
 
-    first = snap(samples=samples(1.5, 0.0, "loss"))
-    second = snap(samples=samples(float("nan"), -0.0, "grad"))
-    third = snap(samples=samples(float("nan"), -0.0, "grad"))
-    before = rank_lines(first)
-    after = rank_lines(second, before)
-    assert after.families == rank_lines(second).families
-    assert after.families["trainpatrol_grad_norm"] == 'trainpatrol_grad_norm{rank="0",run="r1"} -0.0\n'
-    assert after.families["trainpatrol_nonfinite_steps_total"] == \
-        'trainpatrol_nonfinite_steps_total{kind="grad",rank="0",run="r1"} 3.0\n'
-    assert after.sample_lines[3] is before.sample_lines[3]  # step_total unchanged: the same line object
-    again = rank_lines(third, after)
-    assert again.families == after.families
-    assert again.sample_lines[1] is after.sample_lines[1] and again.sample_lines[0] is not after.sample_lines[0]
+    def ranked(rank: int, loss: float, zero: float, kind: str, total: float, hsum: float) -> RankSnapshot:
+        counts = [float(min(i, 5)) for i in range(16)]
+        return snap("r1", rank, samples=[
+            {"name": "trainpatrol_loss", "labels": {}, "value": loss},
+            {"name": "trainpatrol_grad_norm", "labels": {}, "value": zero},
+            {"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": kind}, "value": 3.0},
+            {"name": "trainpatrol_step_total", "labels": {}, "value": total},
+            {"name": "trainpatrol_rank_info", "labels": {"local_rank": "0", "world_size": "2", "host": "h%d",
+                                                         "gpu_uuid": "u", "device": "cpu", "torch_version": "2",
+                                                         "cuda_version": "", "trainpatrol_version": "0"},
+             "value": 7.0}],
+            histogram={"counts": counts, "sum": hsum})
+
+    snaps = [ranked(0, 1.5, -0.0, "l%s", 7.0, 0.5), ranked(1, float("nan"), 0.0, "grad", 1e6, 2e6)]
+    table = Table([Layout.of(s) for s in snaps])
+    flat = [sample for s in snaps for sample in s.samples]
+    for j, name in enumerate(FAMILIES):
+        expected_samples = [x for s in snaps for x in family_samples(s).get(name, [])]
+        m = Metric(name.removesuffix("_total").removesuffix("_info"), "h", "gauge")
+        m.samples = expected_samples
+        expected = generate_latest(Families([m])).decode().split("\n", 2)[2] if expected_samples else ""
+        written = table.histogram([s.histogram for s in snaps]) if j == HISTOGRAM_AT else table.text(
+            j, table.samples(j, flat))
+        assert written == expected, name
+    text = table.text(FAMILIES.index("trainpatrol_loss"), table.samples(FAMILIES.index("trainpatrol_loss"), flat))
+    assert text == 'trainpatrol_loss{rank="0",run="r1"} 1.5\ntrainpatrol_loss{rank="1",run="r1"} NaN\n'
+    step = FAMILIES.index("trainpatrol_step_total")
+    assert table.text(step, table.samples(step, flat)).endswith('trainpatrol_step_total{rank="1",run="r1"} 1e+06\n')
+    kind = FAMILIES.index("trainpatrol_nonfinite_steps_total")
+    assert table.text(kind, table.samples(kind, flat)).startswith(
+        'trainpatrol_nonfinite_steps_total{kind="l%s",rank="0",run="r1"} 3.0\n')
+    assert Layout.of(snaps[0]).fits(ranked(0, 2.0, 1.0, "l%s", 8.0, 0.7))
+    assert not Layout.of(snaps[0]).fits(ranked(0, 2.0, 1.0, "grad", 8.0, 0.7))  # another label value
+    assert not Layout.of(snaps[0]).fits(ranked(1, 1.5, -0.0, "l%s", 7.0, 0.5))  # another rank

@@ -216,7 +216,7 @@ def test_a_burst_of_lines_lets_a_waiting_scrape_in_every_few_lines() -> None:
     from trainpatrol.collectors.agent_self import AgentStats
 
     order: list[Any] = []
-    handler = AgentStream(accept=lambda s: order.append(s.rank) or [], stats=AgentStats("agent"),
+    handler = AgentStream(accept=lambda s, _: order.append(s.rank) or [], stats=AgentStats("agent"),
                           max_line=1_000_000, idle_seconds=60.0)
 
     async def sent(message: Any) -> None:
@@ -224,13 +224,53 @@ def test_a_burst_of_lines_lets_a_waiting_scrape_in_every_few_lines() -> None:
 
     async def main() -> None:
         stream = _Stream(sent)
-        for rank in range(20):  # the ranks of a node, pushing in the same instant
+        handler.open_streams = 1
+        for rank in range(20):  # a burst: the batch starts at once and takes every line queued meanwhile
             handler._enqueue(stream, json.dumps(snap(rank=rank, world_size=64)).encode(), rank + 1)
-        handler._flush.cancel()  # type: ignore[union-attr]
-        batch = asyncio.get_running_loop().create_task(handler._handle_queue())
         await asyncio.sleep(0)  # the batch starts; a scrape arrives while it runs
         order.append("scrape")
-        await batch
+        while handler._handling:
+            await asyncio.sleep(0)
 
     asyncio.run(main())
     assert order == [*range(8), "scrape", *range(8, 20)]
+
+
+def test_a_batch_starts_once_every_open_stream_has_a_line_or_after_the_batch_time() -> None:
+    import asyncio
+
+    from trainpatrol.agent.push_stream import PushStream as AgentStream
+    from trainpatrol.agent.push_stream import _Stream
+    from trainpatrol.collectors.agent_self import AgentStats
+
+    handled: list[tuple[int, float]] = []
+    handler = AgentStream(accept=lambda s, _: handled.append((s.rank, loop.time())) or [], stats=AgentStats("agent"),
+                          max_line=1_000_000, idle_seconds=60.0, batch_seconds=0.2)
+
+    async def sent(message: Any) -> None:
+        pass
+
+    async def drained() -> None:
+        while handler._queue or handler._handling:
+            await asyncio.sleep(0.005)
+
+    async def main() -> float:
+        streams = [_Stream(sent) for _ in range(3)]
+        handler.open_streams = 3
+        for rank, stream in enumerate(streams):
+            handler._enqueue(stream, json.dumps(snap(rank=rank, world_size=64)).encode(), 1)
+            assert (handler._flush is not None, handler._handling) == ((True, False) if rank < 2 else (False, True))
+        await drained()  # one line from each open stream: the batch started with the last, no timer left
+        start = loop.time()
+        handler._enqueue(streams[0], json.dumps(snap(rank=0, world_size=64, step=2)).encode(), 2)
+        assert handler._flush is not None and not handler._handling  # one line of three streams waits
+        await drained()
+        return handled[-1][1] - start
+
+    loop = asyncio.new_event_loop()
+    try:
+        waited = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert [rank for rank, _ in handled] == [0, 1, 2, 0]
+    assert waited >= 0.2

@@ -30,7 +30,6 @@ from ..protocol import RUN_PATTERN, ActionRequest, Command, PushReply, RankSnaps
 from .alerts import Deduper, WebhookPayload, classify, to_command
 from .auth import require_control, require_push
 from .config import AgentConfig
-from .exposition import exposition
 from .hotpath import HotPaths
 from .router import FORWARDED_HEADER, Router
 from .store import RankStore
@@ -104,19 +103,21 @@ class Agent:
         if nvml is not None:
             collectors["nvml"] = nvml
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(CollectorSet(collectors))
+        self.collectors = CollectorSet(collectors)
+        self.registry.register(self.collectors)
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=200)
         self.api = self._build()
         self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
-                            max_body=config.max_push_bytes, metrics=lambda: exposition(self.registry),
+                            max_body=config.max_push_bytes, metrics=self.collectors.body,
                             health=self._health, stream_idle_seconds=config.rank_expire_seconds)
 
-    def accept_push(self, snapshot: RankSnapshot) -> list[Command]:
-        """Store a valid, authorised push and format its lines; returns the commands for its reply."""
+    def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None = None) -> list[Command]:
+        """Store a valid, authorised push and lay out its series; returns the commands for its reply.
+        ``same_series_as``: a snapshot known to have the same series (a delta line's base)."""
         commands = self.store.push(snapshot)
-        self.ranks.prepare(snapshot)
+        self.ranks.prepare(snapshot, same_series_as)
         self.stats.count("pushes", "ok")
         return commands
 
@@ -158,7 +159,7 @@ class Agent:
         @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs",
                  response_class=Response)
         async def metrics() -> Response:
-            return Response(exposition(self.registry), media_type=CONTENT_TYPE_LATEST)
+            return Response(self.collectors.body(), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/v1/push", response_model=PushReply, summary="One rank's snapshot",
                   responses=_errors(400, 401, 413, 422))

@@ -106,10 +106,24 @@ def escape(value: str) -> str:
     return value
 
 
+def go_float(value: float) -> str:
+    """``floatToGoString(value)`` for a float, with less work on the way: it is ``repr`` for finite
+    values below 1e6, and only NaN and the infinities need its checks."""
+    if -_MAX <= value < 1e6:
+        return repr(value)
+    if value != value or not -_MAX <= value <= _MAX:
+        special: str = floatToGoString(value)
+        return special
+    text = repr(value)  # finite, 1e6 or more: Go writes an exponent where Python writes digits
+    dot = text.find(".")
+    if dot > 6:
+        return f"{text[0]}.{text[1:dot]}{text[dot + 1:]}".rstrip("0.") + f"e+{dot - 1:02d}"
+    return text
+
+
 def sample_line(name: str, labels: Mapping[str, str], value: float) -> str:
     """One sample as ``generate_latest`` writes it, for a valid metric name and valid label names."""
-    # floatToGoString(v) is repr(v) for finite v below 1e6, and a call costs more than the test
-    text = repr(value) if -_MAX <= value < 1e6 and type(value) is float else floatToGoString(value)
+    text = go_float(value) if type(value) is float else floatToGoString(value)
     if labels:
         return f"{name}{{{_label_block(tuple(labels.items()))}}} {text}\n"
     return f"{name} {text}\n"

@@ -22,10 +22,10 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..collectors.agent_self import AgentStats
-from ..protocol import Command, PushReply, RankSnapshot
+from ..protocol import PushReply, RankSnapshot
 from .auth import PUSH_REFUSED, push_allowed
 from .problems import too_large, validation_problem
-from .push_stream import NDJSON, PushStream
+from .push_stream import NDJSON, Accept, PushStream
 
 JSON = b"application/json"
 _EMPTY_REPLY = PushReply().model_dump_json().encode()
@@ -40,7 +40,7 @@ class BodyTooLarge(Exception):
 class HotPaths:
     """ASGI middleware: pushes, scrapes and health checks without the framework's per-request cost."""
 
-    def __init__(self, app: ASGIApp, *, accept: Callable[[RankSnapshot], list[Command]], stats: AgentStats,
+    def __init__(self, app: ASGIApp, *, accept: Accept, stats: AgentStats,
                  token: str, max_body: int, metrics: Callable[[], bytes],
                  health: Callable[[], dict[str, Any]], stream_idle_seconds: float) -> None:
         self.app = app
@@ -86,7 +86,7 @@ class HotPaths:
             problem = validation_problem(exc)
             await _problem(send, 422, problem["detail"], errors=problem["errors"])
             return
-        commands = self.accept(snapshot)
+        commands = self.accept(snapshot, None)
         reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
         await _answer(send, 200, reply, JSON)
 

@@ -35,6 +35,9 @@ from .problems import validation_problem
 
 log = logging.getLogger(__name__)
 NDJSON = b"application/x-ndjson"
+Accept = Callable[[RankSnapshot, RankSnapshot | None], list[Command]]
+"""Takes a valid snapshot in, given a snapshot known to have the same series (a delta's base) or
+None; returns the commands for the rank."""
 MAX_RANKS_PER_STREAM = 1024
 """Ranks whose last snapshot a stream keeps as the base of their deltas (a Patrol sends one)."""
 
@@ -52,14 +55,16 @@ class _Stream:
 
 
 class PushStream:
-    """Reads every stream's lines as they arrive and handles them in batches, every
-    ``batch_seconds``, across all streams: one push at a time ran several times slower than the
-    same code warm (caches gone cold between pushes; bench/scrape.py), and a scrape between two
-    batches serves the families of the last one as they are. A push shows on /metrics, and a
-    rank's commands are answered, within ``batch_seconds`` of its line; lines of one stream keep
-    their order."""
+    """Reads every stream's lines as they arrive and handles them in batches across all streams:
+    one push at a time ran several times slower than the same code warm (caches gone cold between
+    pushes; bench/scrape.py), and a scrape between two batches serves the families of the last one
+    as they are. A batch starts ``batch_seconds`` after its first line, or at once when there are
+    as many lines waiting as open streams: Patrol's ranks push on whole seconds, so the burst of a
+    node is in, and waiting for the timer would only wake the agent once more. A push shows on
+    /metrics, and a rank's commands are answered, within ``batch_seconds`` of its line; lines of
+    one stream keep their order."""
 
-    def __init__(self, *, accept: Callable[[RankSnapshot], list[Command]], stats: AgentStats, max_line: int,
+    def __init__(self, *, accept: Accept, stats: AgentStats, max_line: int,
                  idle_seconds: float, batch_seconds: float = 0.25) -> None:
         self.accept, self.stats = accept, stats
         self.max_line, self.idle_seconds, self.batch_seconds = max_line, idle_seconds, batch_seconds
@@ -68,6 +73,8 @@ class PushStream:
         the same instant, and 64 lines at once held the event loop for several milliseconds."""
         self._queue: list[tuple[_Stream, bytes, int]] = []
         self._flush: asyncio.TimerHandle | None = None
+        self._handling = False
+        self.open_streams = 0
 
     async def serve(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
@@ -75,6 +82,7 @@ class PushStream:
         stream = _Stream(send)
         pending, number, skipping, more = b"", 0, False, True
         idle = _IdleWatch(self.idle_seconds)
+        self.open_streams += 1
         try:
             while more:
                 try:
@@ -102,6 +110,7 @@ class PushStream:
                     self._enqueue(stream, b"", number)  # refused as too long when its batch comes
         finally:
             idle.close()
+            self.open_streams -= 1
         if pending.strip() and not skipping:
             self._enqueue(stream, pending, number + 1)
         if stream.queued:
@@ -112,9 +121,18 @@ class PushStream:
         self._queue.append((stream, line, number))
         stream.queued += 1
         stream.drained.clear()
-        if self._flush is None:
-            loop = asyncio.get_running_loop()
-            self._flush = loop.call_later(self.batch_seconds, lambda: loop.create_task(self._handle_queue()))
+        if self._handling:
+            return  # the batch running takes this line too
+        if len(self._queue) >= self.open_streams:
+            if self._flush is not None:
+                self._flush.cancel()
+            self._start()
+        elif self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self.batch_seconds, self._start)
+
+    def _start(self) -> None:
+        self._flush, self._handling = None, True
+        asyncio.get_running_loop().create_task(self._handle_queue())
 
     async def _handle_queue(self) -> None:
         """Every queued line, oldest first, including lines that arrive meanwhile."""
@@ -133,7 +151,7 @@ class PushStream:
                     if not stream.queued:
                         stream.drained.set()
         finally:
-            self._flush = None
+            self._handling = False
 
     async def _line(self, stream: _Stream, line: bytes, number: int) -> None:
         if not line or len(line) > self.max_line:
@@ -146,7 +164,9 @@ class PushStream:
         try:
             delta = SnapshotDelta.model_validate_json(line)
             key = (delta.run, delta.rank)
-            snapshot = delta.whole(stream.bases.get(key))
+            base = stream.bases.get(key)
+            like = base if delta.changed is not None else None
+            snapshot = delta.whole(base)
         except (ValidationError, ValueError) as exc:
             self.stats.count("pushes", "invalid")
             stream.counts["refused"] += 1
@@ -158,7 +178,7 @@ class PushStream:
             stream.bases.pop(next(iter(stream.bases)))
         stream.bases[key] = snapshot
         stream.counts["accepted"] += 1
-        commands = self.accept(snapshot)
+        commands = self.accept(snapshot, like)
         if commands:
             await self._reply(stream, {"run": snapshot.run, "rank": snapshot.rank, "seq": snapshot.seq,
                                        "commands": [c.model_dump(mode="json") for c in commands]})

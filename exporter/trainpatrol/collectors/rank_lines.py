@@ -1,18 +1,21 @@
-"""Formats one pushed snapshot straight into exposition lines, once per push.
+"""Formats the ranks' snapshots into exposition lines, one family at a time across all ranks.
 
 Building prometheus_client families for every push and formatting their samples cost about
-0.6 ms per push on the development VM; writing the lines directly costs a fraction of that. The
-lines are byte for byte what ``generate_latest`` writes for the same samples, which
-``family_samples`` still builds for any reader that wants ``Sample`` objects
-(tests/agent/test_liveness.py compares the two).
+0.6 ms per push on the development VM. Here a rank's series are laid out once (``Layout``: each
+family's lines as a ``%``-template, one ``%r`` per value), the layouts of all ranks are put
+together once (``Table``), and a scrape after new pushes writes each family whose values moved with
+a single ``%`` over the values of all ranks: in C, where formatting each rank's changed families in
+Python as it pushed cost the agent more than validating the push (bench/scrape.py). The lines are
+byte for byte what ``generate_latest`` writes for the same samples, which ``family_samples`` still
+builds for any reader that wants ``Sample`` objects (tests/agent/test_liveness.py compares the two).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import is_not
+from operator import attrgetter, itemgetter
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -22,12 +25,11 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
-from ..agent.exposition import escape
+from ..agent.exposition import escape, go_float
 from ..catalogue import RANK_BY_NAME, RANK_METRICS, STEP_DURATION_BUCKETS
 from ..catalogue import Metric as CatalogueMetric
-from ..protocol import RankSnapshot, same_value
+from ..protocol import Histogram, RankSnapshot
 from ..protocol import Sample as PushedSample
 
 BOUNDS = [str(b) for b in STEP_DURATION_BUCKETS] + ["+Inf"]
@@ -36,10 +38,11 @@ _ORDER = {m.name: sorted(m.all_labels) for m in RANK_METRICS}
 """Label names of each rank metric in exposition order (prometheus_client sorts them)."""
 _MAX = sys.float_info.max
 FAMILIES = [m.name for m in RANK_METRICS]
-"""Every rank metric family, in catalogue order: the order of ``Rendered.columns``."""
+"""Every rank metric family, in catalogue order: the order of ``Table`` families."""
 _POSITION = {name: i for i, name in enumerate(FAMILIES)}
-_HISTOGRAM_AT = _POSITION[_HISTOGRAM]
+HISTOGRAM_AT = _POSITION[_HISTOGRAM]
 _INFO = {m.name for m in RANK_METRICS if m.kind == "info"}
+_NAME, _LABELS, _VALUE = attrgetter("name"), attrgetter("labels"), attrgetter("value")
 assert sorted([*RANK_BY_NAME[_HISTOGRAM].all_labels, "le"]) == ["le", "rank", "run"]  # bucket lines below
 
 
@@ -48,93 +51,136 @@ def plain_labels(snap: RankSnapshot) -> str:
     return f'rank="{snap.rank}",run="{escape(snap.run)}"'
 
 
-@dataclass(frozen=True, slots=True)
-class Rendered:
-    """One snapshot's lines: per sample (for reuse by the next push) and joined per family."""
+@dataclass(frozen=True, slots=True, eq=False)
+class Layout:
+    """One rank's series, laid out for formatting; the same object while the rank pushes the same
+    series in the same order, whatever their values."""
 
-    snapshot: RankSnapshot
-    sample_lines: list[str]
-    columns: tuple[str, ...]
-    """Each catalogue rank metric's lines, in ``FAMILIES`` order ("" where the snapshot has none)."""
-    members: dict[str, list[int]]
-    """Family name -> the indices of its samples, in order."""
+    plain: str
+    """``rank="…",run="…"``: the label block of metrics without labels of their own."""
+    names: tuple[str, ...]
+    labels: tuple[dict[str, str], ...]
+    members: tuple[tuple[int, ...], ...]
+    """Per position in ``FAMILIES``, the indices of its samples, in order."""
+    templates: tuple[str, ...]
+    """Per position in ``FAMILIES``, its lines with ``%r`` for each value (``%`` in labels doubled);
+    an info metric's value is always written 1.0."""
+    text_templates: tuple[str, ...]
+    """The same with ``%s``, for values written by ``go_float`` first."""
+    histogram_template: str
     histogram_heads: tuple[str, ...]
-    """The step histogram's lines up to their value: bucket by bucket, then _count and _sum."""
 
-    @property
-    def families(self) -> dict[str, str]:
-        return {name: text for name, text in zip(FAMILIES, self.columns, strict=True) if text}
+    @classmethod
+    def of(cls, snap: RankSnapshot) -> Layout:
+        plain = plain_labels(snap)
+        base = {"run": escape(snap.run), "rank": str(snap.rank)}
+        names, labels = tuple(map(_NAME, snap.samples)), tuple(map(_LABELS, snap.samples))
+        heads = tuple(map(_head, names, labels, [base] * len(names), [plain] * len(names)))
+        grouped: list[list[int]] = [[] for _ in FAMILIES]
+        for i, name in enumerate(names):
+            grouped[_POSITION[name]].append(i)
+        members = tuple(map(tuple, grouped))
+        templates = tuple("".join([_percent(heads[i]) + ("1.0\n" if names[i] in _INFO else "%r\n") for i in where])
+                          for where in members)
+        text_templates = tuple(
+            "".join([_percent(heads[i]) + ("1.0\n" if names[i] in _INFO else "%s\n") for i in where])
+            for where in members)
+        histogram_heads = (*(f'{_HISTOGRAM}_bucket{{le="{le}",{plain}}} ' for le in BOUNDS),
+                           f"{_HISTOGRAM}_count{{{plain}}} ", f"{_HISTOGRAM}_sum{{{plain}}} ")
+        return cls(plain, names, labels, members, templates, text_templates,
+                   "".join([_percent(head) + "%r\n" for head in histogram_heads]), histogram_heads)
 
-
-def rank_lines(snap: RankSnapshot, previous: Rendered | None = None) -> Rendered:
-    """The snapshot's exposition lines, per sample and per catalogue family.
-
-    When the snapshot has the same series as ``previous`` (the rank's last push), only samples
-    whose value changed are formatted again, and only their families joined again: info metrics,
-    settings and most counters do not change from one push to the next, and a delta push
-    (protocol.SnapshotDelta) keeps the very sample objects it did not change. A family whose lines
-    did not change is the previous push's very string, so that a scrape finds changes by identity."""
-    base = {"run": escape(snap.run), "rank": str(snap.rank)}
-    plain = plain_labels(snap)
-    samples = snap.samples
-    same_rank = previous is not None and plain_labels(previous.snapshot) == plain
-    before = previous.snapshot.samples if previous is not None and same_rank else []
-    if previous is not None and len(before) == len(samples):
-        lines, dirty = list(previous.sample_lines), set[str]()
-        for i in compress(range(len(samples)), map(is_not, samples, before)):  # a delta keeps the rest
-            s, old = samples[i], before[i]
-            if s.name != old.name:
-                break  # another layout: the families' members differ
-            if s.labels != old.labels or not same_value(s.value, old.value):
-                lines[i] = _line(s, base, plain)
-                dirty.add(s.name)
-        else:
-            columns = list(previous.columns)
-            for name in dirty:
-                columns[_POSITION[name]] = "".join([lines[i] for i in previous.members[name]])
-            heads = previous.histogram_heads
-            columns[_HISTOGRAM_AT] = _histogram(snap, heads, previous)
-            return Rendered(snap, lines, tuple(columns), previous.members, heads)
-    lines = []
-    members: dict[str, list[int]] = {}
-    for i, s in enumerate(samples):
-        prior = before[i] if i < len(before) else None
-        if prior is not None and prior.name == s.name and prior.labels == s.labels and same_value(s.value, prior.value):
-            lines.append(previous.sample_lines[i])  # type: ignore[union-attr]
-        else:
-            lines.append(_line(s, base, plain))
-        members.setdefault(s.name, []).append(i)
-    fresh = [""] * len(FAMILIES)
-    for name, where in members.items():
-        fresh[_POSITION[name]] = "".join([lines[i] for i in where])
-    heads = (*(f'{_HISTOGRAM}_bucket{{le="{le}",{plain}}} ' for le in BOUNDS),
-             f"{_HISTOGRAM}_count{{{plain}}} ", f"{_HISTOGRAM}_sum{{{plain}}} ")
-    fresh[_HISTOGRAM_AT] = _histogram(snap, heads, None)
-    if previous is not None:  # equal text, same string: the scrape's change detection goes by identity
-        fresh = [old if old == new else new for old, new in zip(previous.columns, fresh, strict=True)]
-    return Rendered(snap, lines, tuple(fresh), members, heads)
+    def fits(self, snap: RankSnapshot) -> bool:
+        """True when ``snap`` has this layout's series, in the same order, for the same rank. A
+        delta keeps its base's very name and label objects, which compare at once."""
+        samples = snap.samples
+        return (len(samples) == len(self.names) and tuple(map(_NAME, samples)) == self.names
+                and tuple(map(_LABELS, samples)) == self.labels and plain_labels(snap) == self.plain)
 
 
-def _line(s: PushedSample, base: dict[str, str], plain: str) -> str:
-    if s.labels:
-        values = base | {k: escape(v) for k, v in s.labels.items()}
-        block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[s.name]])
+class Table:
+    """The layouts of all ranks a scrape serves, in exposition order, put together: per family
+    the positions of its samples in all ranks' samples laid end to end, and the templates of its
+    lines across ranks."""
+
+    def __init__(self, layouts: Sequence[Layout]) -> None:
+        self.layouts = tuple(layouts)
+        offsets, at = [], 0
+        for layout in layouts:
+            offsets.append(at)
+            at += len(layout.names)
+        self.getters: list[Callable[[list[PushedSample]], tuple[PushedSample, ...]] | None] = []
+        self.templates: list[str] = []
+        self.text_templates: list[str] = []
+        self.info: list[bool] = []
+        for j, name in enumerate(FAMILIES):
+            where = [offset + i for layout, offset in zip(layouts, offsets, strict=True) for i in layout.members[j]]
+            self.getters.append(None if not where else _getter(where))
+            self.templates.append("".join([layout.templates[j] for layout in layouts]))
+            self.text_templates.append("".join([layout.text_templates[j] for layout in layouts]))
+            self.info.append(name in _INFO)
+        self.histogram_template = "".join([layout.histogram_template for layout in layouts])
+        self.histogram_heads = [layout.histogram_heads for layout in layouts]
+
+    def samples(self, j: int, flat: list[PushedSample]) -> tuple[PushedSample, ...]:
+        """Family ``j``'s samples of all ranks, given all ranks' samples laid end to end."""
+        getter = self.getters[j]
+        return () if getter is None else getter(flat)
+
+    def text(self, j: int, samples: tuple[PushedSample, ...]) -> str:
+        """Family ``j``'s lines for ``samples`` (``samples(j, …)``)."""
+        if not samples:
+            return ""
+        if self.info[j]:
+            return self.templates[j] % ()
+        values = tuple(map(_VALUE, samples))
+        if _repr_writes(values):
+            return self.templates[j] % values
+        return self.text_templates[j] % tuple(map(go_float, values))
+
+    def histogram(self, histograms: Sequence[Histogram | None]) -> str:
+        """The step histogram's lines of all ranks (one histogram or None per rank, in order)."""
+        present = [h for h in histograms if h is not None]
+        if not present:
+            return ""
+        if len(present) < len(histograms):  # ranks without one: their lines are left out
+            return "".join([_histogram_lines(heads, h)
+                            for heads, h in zip(self.histogram_heads, histograms, strict=True) if h is not None])
+        values = tuple([v for h in present for v in (*h.counts, h.counts[-1], h.sum)])
+        if _repr_writes(values):
+            return self.histogram_template % values
+        return "".join([_histogram_lines(heads, h) for heads, h in zip(self.histogram_heads, present, strict=True)])
+
+
+def _repr_writes(values: tuple[float, ...]) -> bool:
+    """True when ``repr`` writes each value as ``floatToGoString`` does: all finite and below 1e6.
+    A NaN makes the sum NaN, which no ``min`` or ``max`` would show; an infinity fails those."""
+    total = sum(values)
+    return total == total and max(values) < 1e6 and min(values) >= -_MAX
+
+
+def _getter(where: list[int]) -> Callable[[list[PushedSample]], tuple[PushedSample, ...]]:
+    if len(where) == 1:
+        i = where[0]
+        return lambda flat: (flat[i],)
+    return itemgetter(*where)
+
+
+def _head(name: str, labels: dict[str, str], base: dict[str, str], plain: str) -> str:
+    if labels:
+        values = base | {k: escape(v) for k, v in labels.items()}
+        block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[name]])
     else:
         block = plain
-    v = s.value  # floatToGoString(v) is repr(v) below 1e6, when finite; a call costs more than that test
-    return f"{s.name}{{{block}}} {'1.0' if s.name in _INFO else repr(v) if -_MAX <= v < 1e6 else floatToGoString(v)}\n"
+    return f"{name}{{{block}}} "
 
 
-def _histogram(snap: RankSnapshot, heads: tuple[str, ...], previous: Rendered | None) -> str:
-    """The step histogram's lines; the previous push's string when nothing in it changed."""
-    h, old = snap.histogram, previous.snapshot.histogram if previous is not None else None
-    if h is None:
-        return ""
-    if previous is not None and old is not None and old.counts == h.counts and same_value(old.sum, h.sum):
-        return previous.columns[_HISTOGRAM_AT]
-    values = [*h.counts, h.counts[-1], h.sum]
-    return "".join([f"{head}{repr(v) if -_MAX <= v < 1e6 else floatToGoString(v)}\n"
-                    for head, v in zip(heads, values, strict=True)])
+def _percent(text: str) -> str:
+    return text.replace("%", "%%")
+
+
+def _histogram_lines(heads: tuple[str, ...], h: Histogram) -> str:
+    return "".join([f"{head}{go_float(v)}\n" for head, v in zip(heads, (*h.counts, h.counts[-1], h.sum), strict=True)])
 
 
 def family(m: CatalogueMetric) -> Metric:

@@ -10,36 +10,50 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import compress
-from operator import is_, is_not, or_
+from itertools import chain
+from operator import attrgetter, is_
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
 
-from ..agent.exposition import RenderedFamily, SamplesFn
+from ..agent.exposition import RenderedFamily, SamplesFn, go_float
 from ..agent.store import RankEntry, RankStore
 from ..catalogue import AGENT_METRICS, RANK_METRICS
-from ..protocol import RankSnapshot
-from .rank_lines import Rendered, family, family_samples, plain_labels, rank_lines
+from ..protocol import Histogram, RankSnapshot
+from ..protocol import Sample as PushedSample
+from .rank_lines import HISTOGRAM_AT, Layout, Table, family, family_samples
 
 _LIVENESS = [(m.name, m.help) for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_")]
 assert [name for name, _ in _LIVENESS] == ["trainpatrol_rank_up", "trainpatrol_rank_last_push_timestamp_seconds",
                                            "trainpatrol_rank_last_step_timestamp_seconds"]  # Liveness below
 _FAMILIES = [(m.name, family(m)) for m in RANK_METRICS]
-Lines = tuple[str, ...]
-"""One rank's exposition lines per family, in ``_FAMILIES`` order ("" where it has none):
-``Rendered.columns``, where a family whose lines did not change is the previous push's very string."""
-Liveness = tuple[str, str, str, str]
-"""One rank's liveness lines: rank_up while up, rank_up once down, last push, last step advance."""
+_SAMPLES, _HISTOGRAM = attrgetter("samples"), attrgetter("histogram")
+_LAST_PUSH, _LAST_STEP = attrgetter("last_push"), attrgetter("last_step_advance")
 
 
-def _liveness(e: RankEntry) -> Liveness:
-    """Formatted once per push: only rank_up changes between pushes, and it has just two values."""
-    labels = plain_labels(e.snapshot)
-    up, push, step = (f"{name}{{{labels}}} " for name, _ in _LIVENESS)
-    return (f"{up}1.0\n", f"{up}0.0\n",  # as floatToGoString writes 1.0 and 0.0
-            f"{push}{floatToGoString(e.last_push)}\n", f"{step}{floatToGoString(e.last_step_advance)}\n")
+@dataclass(frozen=True)
+class _Liveness:
+    """The liveness lines of a ``Table``'s ranks: rank_up's two lines per rank, and the timestamp
+    families as ``%s``-templates (timestamps are 1e6 and more, which ``go_float`` writes). A run
+    name has no ``%`` (protocol.RUN_PATTERN), so the labels need no escaping."""
+
+    up: tuple[str, ...]
+    down: tuple[str, ...]
+    push: str
+    step: str
+
+    @classmethod
+    def of(cls, layouts: tuple[Layout, ...]) -> _Liveness:
+        (up, _), (push, _), (step, _) = _LIVENESS
+        return cls(tuple(f"{up}{{{layout.plain}}} 1.0\n" for layout in layouts),  # as floatToGoString writes 1.0
+                   tuple(f"{up}{{{layout.plain}}} 0.0\n" for layout in layouts),
+                   "".join([f"{push}{{{layout.plain}}} %s\n" for layout in layouts]),
+                   "".join([f"{step}{{{layout.plain}}} %s\n" for layout in layouts]))
+
+    def columns(self, entries: tuple[RankEntry, ...], up: list[bool]) -> tuple[str, str, str]:
+        return ("".join([u if is_up else d for u, d, is_up in zip(self.up, self.down, up, strict=True)]),
+                self.push % tuple(map(go_float, map(_LAST_PUSH, entries))),
+                self.step % tuple(map(go_float, map(_LAST_STEP, entries))))
 
 
 @dataclass(frozen=True)
@@ -48,20 +62,24 @@ class _Scrape:
 
     entries: tuple[RankEntry, ...]
     up: list[bool]
-    lines: list[Lines]
-    liveness: list[Liveness]
+    table: Table
+    liveness: _Liveness
+    samples: list[tuple[PushedSample, ...]]
+    """Per family, the samples its lines were written from (by identity: a delta keeps the rest)."""
+    histograms: list[Histogram | None]
     families: list[RenderedFamily]
 
 
 class RankCollector:
-    """Each rank's lines are formatted once per push (``prepare``), not once per scrape (see
-    agent.exposition); a snapshot nobody prepared is formatted at the next scrape. A scrape that
-    finds the same entries, each as up as before, serves the last scrape's families again."""
+    """A rank's series are laid out as it pushes (``prepare``); the values are written at the next
+    scrape, each family whose samples changed in one go across all ranks (rank_lines.Table). A
+    snapshot nobody prepared is laid out at that scrape. A scrape that finds the same entries, each
+    as up as before, serves the last scrape's families again."""
 
     def __init__(self, store: RankStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._rendered: dict[tuple[str, int], Rendered] = {}
+        self._layouts: dict[tuple[str, int], tuple[RankSnapshot, Layout]] = {}
         self._last: _Scrape | None = None
 
     def describe(self) -> list[Metric]:
@@ -76,59 +94,67 @@ class RankCollector:
             last = self._last = self._scrape(entries, up, last)
         return iter(last.families)
 
-    def _scrape(self, entries: tuple[RankEntry, ...], up: list[bool], last: _Scrape | None) -> _Scrape:
-        """Families for ``entries``. Only the entries ``last`` did not serve are formatted, and only the
-        families whose lines they changed are joined again (most lines stay put from push to push)."""
-        lines: list[Lines]
-        liveness: list[Liveness]
-        if last is not None and len(last.entries) == len(entries):
-            lines, liveness = list(last.lines), list(last.liveness)
-            bodies = [f.lines for f in last.families[:len(_FAMILIES)]]
-            changed = list(compress(range(len(entries)), map(is_not, last.entries, entries)))
-            dirty = [False] * len(_FAMILIES)
+    def prepare(self, snap: RankSnapshot, same_series_as: RankSnapshot | None = None) -> None:
+        """Lay out a pushed snapshot's series, unless it keeps its rank's last layout.
+        ``same_series_as``: a snapshot known to have the same series (a delta's base), which skips
+        the comparison when it is the snapshot the rank's layout was made for."""
+        key = (snap.run, snap.rank)
+        with self._lock:
+            known = self._layouts.get(key)
+        if known is not None and same_series_as is not None and known[0] is same_series_as:
+            layout = known[1]
         else:
-            lines, liveness = [()] * len(entries), [("", "", "", "")] * len(entries)
-            bodies = [b""] * len(_FAMILIES)
-            changed, dirty = list(range(len(entries))), [True] * len(_FAMILIES)
-        for i in changed:
-            new = self._render(entries[i].snapshot)
-            if lines[i]:  # a family whose lines did not change keeps the very same string (Lines)
-                dirty = list(map(or_, dirty, map(is_not, lines[i], new)))
-            lines[i], liveness[i] = new, _liveness(entries[i])
+            layout = known[1] if known is not None and known[1].fits(snap) else Layout.of(snap)
         with self._lock:
-            if len(self._rendered) > len(entries):  # ranks that expired drop out here
-                keys = {(e.snapshot.run, e.snapshot.rank) for e in entries}
-                self._rendered = {k: v for k, v in self._rendered.items() if k in keys}
-        families = [RenderedFamily(f.name, f.documentation, f.type, f.unit,
-                                   "".join([rank[j] for rank in lines]).encode() if dirty[j] else bodies[j],
-                                   _samples_of(name, entries))
-                    for j, (name, f) in enumerate(_FAMILIES)]
-        columns = ([line[0] if u else line[1] for line, u in zip(liveness, up, strict=True)],
-                   [line[2] for line in liveness], [line[3] for line in liveness])
-        for i, ((name, help_), column) in enumerate(zip(_LIVENESS, columns, strict=True)):
-            families.append(RenderedFamily(name, help_, "gauge", "", "".join(column).encode(),
-                                           _liveness_samples(i, entries, up)))
-        return _Scrape(entries, up, lines, liveness, families)
+            self._layouts[key] = (snap, layout)
 
-    def prepare(self, snap: RankSnapshot) -> None:
-        """Format a snapshot as it is pushed, so that a scrape, however frequent, only joins lines."""
-        key = (snap.run, snap.rank)
+    def _layout(self, snap: RankSnapshot) -> Layout:
+        """The snapshot's layout: the one ``prepare`` made, or made now."""
         with self._lock:
-            previous = self._rendered.get(key)
-        rendered = rank_lines(snap, previous)
-        with self._lock:
-            self._rendered[key] = rendered
-
-    def _render(self, snap: RankSnapshot) -> Lines:
-        """The snapshot's lines per family: those ``prepare`` made, or made now."""
-        key = (snap.run, snap.rank)
-        with self._lock:
-            cached = self._rendered.get(key)
-        if cached is None or cached.snapshot is not snap:
-            cached = rank_lines(snap, cached)
+            known = self._layouts.get((snap.run, snap.rank))
+        if known is None or known[0] is not snap:
+            self.prepare(snap)
             with self._lock:
-                self._rendered[key] = cached
-        return cached.columns
+                known = self._layouts[(snap.run, snap.rank)]
+        return known[1]
+
+    def _scrape(self, entries: tuple[RankEntry, ...], up: list[bool], last: _Scrape | None) -> _Scrape:
+        """Families for ``entries``. Only the families whose samples changed since ``last`` are
+        written again; a family written the same as before is the very same object."""
+        snaps = [e.snapshot for e in entries]
+        layouts = [self._layout(s) for s in snaps]
+        with self._lock:
+            if len(self._layouts) > len(entries):  # ranks that expired drop out here
+                keys = {(s.run, s.rank) for s in snaps}
+                self._layouts = {k: v for k, v in self._layouts.items() if k in keys}
+        same = last is not None and len(last.table.layouts) == len(layouts) and all(
+            map(is_, last.table.layouts, layouts))
+        table = last.table if same and last is not None else Table(layouts)
+        liveness = last.liveness if same and last is not None else _Liveness.of(table.layouts)
+        flat = list(chain.from_iterable(map(_SAMPLES, snaps)))
+        histograms = list(map(_HISTOGRAM, snaps))
+        samples, families = [], []
+        for j, (name, f) in enumerate(_FAMILIES):
+            now = table.samples(j, flat)
+            samples.append(now)
+            if same and last is not None and (
+                    all(map(is_, histograms, last.histograms)) if j == HISTOGRAM_AT
+                    else all(map(is_, now, last.samples[j]))):  # same length: same table
+                families.append(last.families[j])
+                continue
+            lines = (table.histogram(histograms) if j == HISTOGRAM_AT else table.text(j, now)).encode()
+            if last is not None and lines == last.families[j].lines:  # the same text: a whole push, or new ranks
+                families.append(last.families[j])
+            else:
+                families.append(RenderedFamily(f.name, f.documentation, f.type, f.unit, lines,
+                                               _samples_of(name, entries)))
+        for i, ((name, help_), column) in enumerate(zip(_LIVENESS, liveness.columns(entries, up), strict=True)):
+            lines = column.encode()
+            if last is not None and lines == last.families[len(_FAMILIES) + i].lines:
+                families.append(last.families[len(_FAMILIES) + i])
+            else:
+                families.append(RenderedFamily(name, help_, "gauge", "", lines, _liveness_samples(i, entries, up)))
+        return _Scrape(entries, up, table, liveness, samples, histograms, families)
 
 
 def _liveness_samples(i: int, entries: tuple[RankEntry, ...], up: list[bool]) -> SamplesFn:
