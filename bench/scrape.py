@@ -368,11 +368,16 @@ def main() -> None:
                     results.append(bare)
     bare_runs = [r for r in results if r["server"] == "bare"]
     results = [r for r in results if r["server"] == "agent"]
-    met = {f"p99_ms_at_{r['ranks']}_{r['transport']}": r["scrape_ms_p99"] <= TARGETS["p99_ms"] for r in results
-           if r["scrapes"]}
-    met |= {f"rss_mb_at_{r['ranks']}_{r['transport']}": r["rss_mb_peak"] <= TARGETS["rss_mb"] for r in results}
-    met |= {f"cpu_core_share_at_{r['ranks']}_{r['transport']}": r["cpu_core_share"] <= TARGETS["cpu_core_share_at_64"]
-            for r in results if r["ranks"] == 64 and r["nvml"] and r["scrape_hz"] == 10.0}
+    met: dict[str, bool] = {}  # a configuration run several times meets a target only if every run does
+    for r in results:
+        checks = {"rss_mb": r["rss_mb_peak"] <= TARGETS["rss_mb"]}
+        if r["scrapes"]:
+            checks["p99_ms"] = r["scrape_ms_p99"] <= TARGETS["p99_ms"]
+        if r["ranks"] == 64 and r["nvml"] and r["scrape_hz"] == 10.0:
+            checks["cpu_core_share"] = r["cpu_core_share"] <= TARGETS["cpu_core_share_at_64"]
+        for name, ok in checks.items():
+            key = f"{name}_at_{r['ranks']}_{r['transport']}"
+            met[key] = met.get(key, True) and ok
     report = {
         "bench": "scrape",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
