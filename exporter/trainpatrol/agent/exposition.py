@@ -123,9 +123,14 @@ def go_float(value: float) -> str:
 
 def sample_line(name: str, labels: Mapping[str, str], value: float) -> str:
     """One sample as ``generate_latest`` writes it, for a valid metric name and valid label names."""
+    return labelled_line(name, tuple(labels.items()), value)
+
+
+def labelled_line(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
+    """``sample_line`` with the labels as (name, value) pairs."""
     text = go_float(value) if type(value) is float else floatToGoString(value)
     if labels:
-        return f"{name}{{{_label_block(tuple(labels.items()))}}} {text}\n"
+        return f"{name}{{{_label_block(labels)}}} {text}\n"
     return f"{name} {text}\n"
 
 

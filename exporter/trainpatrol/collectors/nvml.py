@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from ..agent.exposition import RenderedFamily, render
+from ..agent.exposition import RenderedFamily
 from . import _nvml_sample as ns
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class NvmlCollector:
         agent.exposition): by the sampler as it stores a sample, or by the first scrape after an XID."""
         cached = self._rendered
         if cached is None or cached[0] is not sample or cached[1] != xids:
-            cached = self._rendered = (sample, xids, render(ns.families(sample["gpus"], xids)))
+            cached = self._rendered = (sample, xids, ns.rendered_families(sample["gpus"], xids))
         return cached[2]
 
     def snapshot(self) -> dict[str, Any]:
