@@ -5,7 +5,7 @@ Cumulative values travel as totals, so an agent restart loses nothing: the next 
 
 from __future__ import annotations
 
-import itertools
+import operator
 from dataclasses import dataclass, field
 from math import copysign
 from typing import Annotated, Literal
@@ -61,7 +61,7 @@ class Histogram(BaseModel):
     def _shape(cls, v: list[float]) -> list[float]:
         if len(v) != len(STEP_DURATION_BUCKETS) + 1:
             raise ValueError(f"Histogram needs {len(STEP_DURATION_BUCKETS) + 1} cumulative counts, got {len(v)}.")
-        if any(b < a for a, b in itertools.pairwise(v)) or (v and v[0] < 0):
+        if any(map(operator.lt, v[1:], v)) or (v and v[0] < 0):  # some count below the one before it
             raise ValueError("Histogram counts must be cumulative (non-decreasing, non-negative).")
         return v
 

@@ -354,3 +354,30 @@ def test_the_body_joins_a_collector_once_while_its_families_stay_the_same() -> N
     assert durations_apart(third) == durations_apart(generate_latest(registry))
     assert value(third.decode(), "trainpatrol_loss", 1) == "0.25"
     assert b'trainpatrol_pushes_total{outcome="ok"} 1.0' in third
+
+
+def test_up_stands_until_the_oldest_up_rank_passes_the_ttl() -> None:
+    clock = Clock()
+    ranks = Ranks(clock)
+    ranks.push(snap(0, step=1))
+    clock.now = T0 + 5
+    ranks.push(snap(1, step=1))
+    entries = ranks.store.entries()
+    first = ranks.store.up(entries)
+    assert first == [True, True]
+    clock.now = T0 + UP_TTL  # rank 0's push is exactly TTL old: still up, the same answer
+    assert ranks.store.up(entries) is first
+    clock.now = T0 + UP_TTL + 0.001
+    assert ranks.store.up(entries) == [False, True]
+    clock.now = T0 + 1  # a clock that went back is asked again, not answered from the cache
+    assert ranks.store.up(entries) == [True, True]
+
+
+def test_agent_families_stand_until_a_count() -> None:
+    stats = AgentStats("agent")
+    first = stats.collect()
+    assert stats.collect() is first
+    stats.count("alerts", "act")
+    after = stats.collect()
+    assert after is not first and stats.collect() is after
+    assert b'trainpatrol_webhook_alerts_total{outcome="act"} 1.0' in exposition(Families(after))

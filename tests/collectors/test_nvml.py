@@ -382,7 +382,7 @@ def test_start_stop_are_bounded_and_release_nvml() -> None:
     wait_for(lambda: fake.calls["nvmlEventSetWait"] > 0)
     t0 = time.monotonic()
     collector.stop()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < collector.event_timeout_ms / 1000 + 0.5  # the XID wait's bound, no more
     assert fake.initialised == 0
 
 

@@ -41,6 +41,8 @@ class RankStore:
         self._next_expiry = float("inf")
         """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
         self._entries: tuple[RankEntry, ...] | None = None  # sorted by (run, rank); None after any change
+        self._up: tuple[tuple[RankEntry, ...], float, float, list[bool]] | None = None
+        """The last ``up()``: for which entries, at what time, the oldest push of an up rank, the answer."""
 
     # --- pushes -------------------------------------------------------------------------------
     def push(self, snap: RankSnapshot) -> list[Command]:
@@ -123,9 +125,17 @@ class RankStore:
         return entry.snapshot.state != "closed" and self._clock() - entry.last_push <= self.rank_up_ttl
 
     def up(self, entries: tuple[RankEntry, ...]) -> list[bool]:
-        """``is_up`` of each entry, at one reading of the clock (every scrape asks for all of them)."""
+        """``is_up`` of each entry, at one reading of the clock. Every scrape asks for all of them:
+        the last answer stands, as the very same list, until the oldest push of an up rank is
+        older than the TTL (a rank that is down stays down until it pushes, which changes the entries)."""
         now, ttl = self._clock(), self.rank_up_ttl
-        return [now - e.last_push <= ttl and e.snapshot.state != "closed" for e in entries]
+        last = self._up
+        if last is not None and last[0] is entries and last[1] <= now and now - last[2] <= ttl:
+            return last[3]
+        ups = [now - e.last_push <= ttl and e.snapshot.state != "closed" for e in entries]
+        oldest = min((e.last_push for e, u in zip(entries, ups, strict=True) if u), default=float("inf"))
+        self._up = (entries, now, oldest, ups)
+        return ups
 
     def hosts_run(self, run: str) -> bool:
         return any(e.snapshot.run == run for e in self.entries())

@@ -39,10 +39,14 @@ class AgentStats:
         self.commands: Counter[tuple[str, str]] = Counter()
         self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})
         self._rendered: dict[str, tuple[Hashable, RenderedFamily]] = {}
+        self._version = 0
+        """Counts made so far: the families stand while it and the host name stay the same."""
+        self._collected: tuple[tuple[int, str], list[Metric]] | None = None
 
     def count(self, counter: str, key: str | tuple[str, str]) -> None:
         with self._lock:
             getattr(self, counter)[key] += 1
+            self._version += 1
 
     def describe(self) -> list[Metric]:
         return []
@@ -51,11 +55,16 @@ class AgentStats:
         """The families; each is formatted again only when its values changed since the last scrape."""
         host = socket.gethostname()
         with self._lock:
+            version = self._version
+            collected = self._collected
+            if collected is not None and collected[0] == (version, host):
+                return collected[1]
             counts = [tuple(sorted(getattr(self, attr).items())) for _, attr, _ in _COUNTERS]
         info = self._family("trainpatrol_agent", (host, self.mode), functools.partial(_info, host, self.mode))
         out: list[Metric] = [info]
         for (name, _, labels), items in zip(_COUNTERS, counts, strict=True):
             out.append(self._family(name, items, functools.partial(_counter, name, labels, items)))
+        self._collected = ((version, host), out)
         return out
 
     def _family(self, name: str, key: Hashable, build: Callable[[], RenderedFamily]) -> RenderedFamily:

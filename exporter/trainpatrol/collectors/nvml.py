@@ -47,8 +47,10 @@ class NvmlCollector:
     """Samples every GPU on a background thread and counts XID events on another."""
 
     max_backoff_seconds = 60.0
-    event_timeout_ms = 200
-    """Bound on one nvmlEventSetWait, so that stop() returns promptly."""
+    event_timeout_ms = 1000
+    """Bound on one nvmlEventSetWait, so that stop() returns within a second. Every bound that
+    passes without an event wakes the XID thread: at 200 ms, those wake-ups cost the agent a
+    third of a point of a core on the development VM (py-spy on bench/scrape.py)."""
 
     def __init__(
         self,
