@@ -109,9 +109,25 @@ class Agent:
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=200)
         self.api = self._build()
+        self._scraped = False
+        """A scrape came since the last batch of stream lines."""
         self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
-                            max_body=config.max_push_bytes, metrics=self.collectors.body,
-                            health=self._health, stream_idle_seconds=config.rank_expire_seconds)
+                            max_body=config.max_push_bytes, metrics=self.metrics,
+                            health=self._health, stream_idle_seconds=config.rank_expire_seconds,
+                            after_batch=self._after_batch)
+
+    def metrics(self) -> bytes:
+        """The /metrics body."""
+        self._scraped = True
+        return self.collectors.body()
+
+    def _after_batch(self) -> None:
+        """Writes the new lines out right after a batch of stream lines, while they are in the
+        caches and before a scrape waits for them, when scrapes come about as often as batches (a
+        scrape came since the last one). With scrapes seconds apart, the next scrape does it."""
+        if self._scraped:
+            self._scraped = False
+            self.collectors.body()
 
     def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None = None) -> list[Command]:
         """Store a valid, authorised push and lay out its series; returns the commands for its reply.
@@ -159,7 +175,7 @@ class Agent:
         @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs",
                  response_class=Response)
         async def metrics() -> Response:
-            return Response(self.collectors.body(), media_type=CONTENT_TYPE_LATEST)
+            return Response(self.metrics(), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/v1/push", response_model=PushReply, summary="One rank's snapshot",
                   responses=_errors(400, 401, 413, 422))

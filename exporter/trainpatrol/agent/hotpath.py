@@ -42,12 +42,14 @@ class HotPaths:
 
     def __init__(self, app: ASGIApp, *, accept: Accept, stats: AgentStats,
                  token: str, max_body: int, metrics: Callable[[], bytes],
-                 health: Callable[[], dict[str, Any]], stream_idle_seconds: float) -> None:
+                 health: Callable[[], dict[str, Any]], stream_idle_seconds: float,
+                 after_batch: Callable[[], None] = lambda: None) -> None:
         self.app = app
         self.accept, self.stats = accept, stats
         self.token, self.max_body = token, max_body
         self.metrics, self.health = metrics, health
-        self.stream = PushStream(accept=accept, stats=stats, max_line=max_body, idle_seconds=stream_idle_seconds)
+        self.stream = PushStream(accept=accept, stats=stats, max_line=max_body, idle_seconds=stream_idle_seconds,
+                                 after_batch=after_batch)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

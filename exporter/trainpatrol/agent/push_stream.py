@@ -64,9 +64,9 @@ class PushStream:
     /metrics, and a rank's commands are answered, within ``batch_seconds`` of its line; lines of
     one stream keep their order."""
 
-    def __init__(self, *, accept: Accept, stats: AgentStats, max_line: int,
-                 idle_seconds: float, batch_seconds: float = 0.25) -> None:
-        self.accept, self.stats = accept, stats
+    def __init__(self, *, accept: Accept, stats: AgentStats, max_line: int, idle_seconds: float,
+                 batch_seconds: float = 0.25, after_batch: Callable[[], None] = lambda: None) -> None:
+        self.accept, self.stats, self.after_batch = accept, stats, after_batch
         self.max_line, self.idle_seconds, self.batch_seconds = max_line, idle_seconds, batch_seconds
         self.lines_per_turn = 8
         """Lines handled before a scrape waiting meanwhile gets its turn: the ranks of a node push in
@@ -150,6 +150,10 @@ class PushStream:
                     stream.queued -= 1
                     if not stream.queued:
                         stream.drained.set()
+            try:
+                self.after_batch()
+            except Exception:  # the next scrape does the same work, and reports what fails
+                log.exception("push stream: work after a batch failed")
         finally:
             self._handling = False
 
