@@ -2,8 +2,8 @@
 
 A sample of one GPU is JSON-able: ``{"gpu", "uuid", ..., "timestamp", "series", "processes"}`` where
 ``series`` maps a catalogue name without its ``trainpatrol_`` prefix to ``[(extra label values,
-value), ...]`` in base units. ``families()`` turns samples into fresh metric families, and
-``rendered_families()`` into the same families' exposition lines, written straight from the series.
+value), ...]`` in base units. ``rendered_families()`` turns samples into metric families with
+their exposition lines.
 """
 
 from __future__ import annotations
@@ -197,17 +197,11 @@ def process_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[Labels, floa
     return sorted(total.items())
 
 
-def families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> list[Metric]:
-    """Fresh families, in catalogue order, from GPU samples and XID counts keyed (gpu, uuid, xid)."""
-    rows = _rows(gpus, xids)
-    return [_family(spec, rows[spec.name[len(P):]]) for spec in NVML_METRICS if rows.get(spec.name[len(P):])]
-
-
 def rendered_families(gpus: Sequence[Mapping[str, Any]],
                       xids: Mapping[Labels, tuple[int, float]]) -> list[RenderedFamily]:
-    """``render(families(gpus, xids))``, its lines written straight from the series: building
-    prometheus_client families first took half of a sample's time. Their samples are built only
-    when someone asks for them."""
+    """The families, in catalogue order, of GPU samples and XID counts keyed (gpu, uuid, xid), their
+    lines written straight from the series: building prometheus_client families first took half
+    of a sample's time. Their samples are built only when someone asks for them."""
     rows = _rows(gpus, xids)
     out = []
     for spec in NVML_METRICS:
