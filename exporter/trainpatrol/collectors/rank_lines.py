@@ -80,11 +80,7 @@ class Layout:
         for i, name in enumerate(names):
             grouped[_POSITION[name]].append(i)
         members = tuple(map(tuple, grouped))
-        templates = tuple("".join([_percent(heads[i]) + ("1.0\n" if names[i] in _INFO else "%r\n") for i in where])
-                          for where in members)
-        text_templates = tuple(
-            "".join([_percent(heads[i]) + ("1.0\n" if names[i] in _INFO else "%s\n") for i in where])
-            for where in members)
+        templates, text_templates = (_templates(heads, names, members, value) for value in ("%r", "%s"))
         histogram_heads = (*(f'{_HISTOGRAM}_bucket{{le="{le}",{plain}}} ' for le in BOUNDS),
                            f"{_HISTOGRAM}_count{{{plain}}} ", f"{_HISTOGRAM}_sum{{{plain}}} ")
         return cls(plain, names, labels, members, templates, text_templates,
@@ -141,15 +137,20 @@ class Table:
     def histogram(self, histograms: Sequence[Histogram | None]) -> str:
         """The step histogram's lines of all ranks (one histogram or None per rank, in order)."""
         present = [h for h in histograms if h is not None]
-        if not present:
-            return ""
-        if len(present) < len(histograms):  # ranks without one: their lines are left out
-            return "".join([_histogram_lines(heads, h)
-                            for heads, h in zip(self.histogram_heads, histograms, strict=True) if h is not None])
-        values = tuple([v for h in present for v in (*h.counts, h.counts[-1], h.sum)])
-        if _repr_writes(values):
-            return self.histogram_template % values
-        return "".join([_histogram_lines(heads, h) for heads, h in zip(self.histogram_heads, present, strict=True)])
+        if present and len(present) == len(histograms):
+            values = tuple([v for h in present for v in (*h.counts, h.counts[-1], h.sum)])
+            if _repr_writes(values):
+                return self.histogram_template % values
+        # a rank without one (its lines are left out), or a value ``repr`` does not write as Go does
+        return "".join([_histogram_lines(heads, h)
+                        for heads, h in zip(self.histogram_heads, histograms, strict=True) if h is not None])
+
+
+def _templates(heads: tuple[str, ...], names: tuple[str, ...], members: tuple[tuple[int, ...], ...],
+               value: str) -> tuple[str, ...]:
+    """Each family's lines with ``value`` (a ``%`` placeholder) for each sample's value; an info's is 1.0."""
+    return tuple("".join([_percent(heads[i]) + ("1.0" if names[i] in _INFO else value) + "\n" for i in where])
+                 for where in members)
 
 
 def _repr_writes(values: tuple[float, ...]) -> bool:

@@ -127,34 +127,35 @@ class RankCollector:
             if len(self._layouts) > len(entries):  # ranks that expired drop out here
                 keys = {(s.run, s.rank) for s in snaps}
                 self._layouts = {k: v for k, v in self._layouts.items() if k in keys}
-        same = last is not None and len(last.table.layouts) == len(layouts) and all(
-            map(is_, last.table.layouts, layouts))
-        table = last.table if same and last is not None else Table(layouts)
-        liveness = last.liveness if same and last is not None else _Liveness.of(table.layouts)
+        # the last scrape, where it had the same layouts: its table, and its families whose samples stayed
+        same = last if last is not None and len(last.table.layouts) == len(layouts) and all(
+            map(is_, last.table.layouts, layouts)) else None
+        table = same.table if same is not None else Table(layouts)
+        liveness = same.liveness if same is not None else _Liveness.of(table.layouts)
         flat = list(chain.from_iterable(map(_SAMPLES, snaps)))
         histograms = list(map(_HISTOGRAM, snaps))
         samples, families = [], []
         for j, (name, f) in enumerate(_FAMILIES):
             now = table.samples(j, flat)
             samples.append(now)
-            if same and last is not None and (
-                    all(map(is_, histograms, last.histograms)) if j == HISTOGRAM_AT
-                    else all(map(is_, now, last.samples[j]))):  # same length: same table
-                families.append(last.families[j])
+            if same is not None and (all(map(is_, histograms, same.histograms)) if j == HISTOGRAM_AT
+                                     else all(map(is_, now, same.samples[j]))):  # same length: same table
+                families.append(same.families[j])
                 continue
             lines = (table.histogram(histograms) if j == HISTOGRAM_AT else table.text(j, now)).encode()
-            if last is not None and lines == last.families[j].lines:  # the same text: a whole push, or new ranks
-                families.append(last.families[j])
-            else:
-                families.append(RenderedFamily(f.name, f.documentation, f.type, f.unit, lines,
-                                               _samples_of(name, entries)))
+            families.append(_same_text(last, j, lines) or RenderedFamily(
+                f.name, f.documentation, f.type, f.unit, lines, _samples_of(name, entries)))
         for i, ((name, help_), column) in enumerate(zip(_LIVENESS, liveness.columns(entries, up), strict=True)):
             lines = column.encode()
-            if last is not None and lines == last.families[len(_FAMILIES) + i].lines:
-                families.append(last.families[len(_FAMILIES) + i])
-            else:
-                families.append(RenderedFamily(name, help_, "gauge", "", lines, _liveness_samples(i, entries, up)))
+            families.append(_same_text(last, len(_FAMILIES) + i, lines) or RenderedFamily(
+                name, help_, "gauge", "", lines, _liveness_samples(i, entries, up)))
         return _Scrape(entries, up, table, liveness, samples, histograms, families)
+
+
+def _same_text(last: _Scrape | None, j: int, lines: bytes) -> RenderedFamily | None:
+    """The last scrape's ``j``-th family where it has these very lines (a whole push of the same
+    values, or other ranks around), so that the body's parts stay the same objects."""
+    return last.families[j] if last is not None and last.families[j].lines == lines else None
 
 
 def _liveness_samples(i: int, entries: tuple[RankEntry, ...], up: list[bool]) -> SamplesFn:
