@@ -285,7 +285,7 @@ def test_a_batch_writes_the_lines_out_when_scrapes_come_as_often_as_batches() ->
     assert answer(client, body(snap(rank=0, seq=2), delta(seq=3, changed=[[0, 0.75]])))[-1]["accepted"] == 2
     last = agent.ranks._last
     assert last is not None and last.entries is agent.store.entries()  # written after the batch, before a scrape
-    assert b'trainpatrol_loss{rank="0",run="r1"} 0.75' in agent.collectors._joined["ranks"][1]
+    assert b'trainpatrol_loss{rank="0",run="r1"} 0.75' in (agent.collectors._runs["ranks"].part or b"")
     assert answer(client, body(snap(rank=0, seq=4)))[-1]["accepted"] == 1
     assert agent.ranks._last is last  # no scrape since the last batch: left to the next scrape
     assert b'trainpatrol_loss{rank="0",run="r1"} 2.5' in client.get("/metrics").content
