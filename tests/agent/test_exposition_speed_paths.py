@@ -275,9 +275,31 @@ def test_nvml_is_formatted_once_per_sample_by_the_sampler() -> None:
     served = exposition(registry)
     assert served == generate_latest(registry)
     assert b"trainpatrol_gpu_xid_errors_total{" in served
-    assert {id(f) for f in first}.isdisjoint(id(f) for f in nvml.collect())
+    after = list(nvml.collect())
+    assert [f.name for f in after if not any(f is g for g in first)] == [
+        "trainpatrol_gpu_xid_errors", "trainpatrol_gpu_xid_last_timestamp_seconds"]  # only the new families
     nvml.sample_once()
     assert nvml._rendered is not None and nvml._rendered[0] is not formatted[0]
+
+
+def test_an_nvml_family_whose_series_stayed_is_not_written_again() -> None:
+    clock = Clock()
+    fake = FakeNvml.from_fixture(gpus=2)
+    nvml = NvmlCollector(fake, clock=clock)
+    registry = CollectorRegistry()
+    registry.register(nvml)
+    nvml.sample_once()
+    first = {f.name: f for f in nvml.collect()}
+    clock.now = T0 + 1
+    fake.set_value(1, "nvmlDeviceGetPowerUsage", 431_250)  # milliwatts
+    nvml.sample_once()
+    second = {f.name: f for f in nvml.collect()}
+    assert first.keys() == second.keys()
+    assert {name for name in first if first[name] is not second[name]} == {
+        "trainpatrol_gpu_power_watts", "trainpatrol_nvml_sample_timestamp_seconds"}
+    served = exposition(registry)
+    assert served == generate_latest(registry)
+    assert b'trainpatrol_gpu_power_watts{gpu="1",' in served and b"} 431.25\n" in served
 
 
 def test_scrapes_on_other_threads_while_ranks_push() -> None:
@@ -341,19 +363,41 @@ def test_the_body_joins_a_collector_once_while_its_families_stay_the_same() -> N
     first = collectors.body()
     assert durations_apart(first) == durations_apart(generate_latest(registry))
     assert b'trainpatrol_collector_success{collector="broken"} 0.0' in first
-    parts = {name: joined[1] for name, joined in collectors._joined.items()}
+    parts = {name: run.part for name, run in collectors._runs.items()}
     assert set(parts) == {"ranks", "agent", "broken"}
-    second = collectors.body()
-    assert durations_apart(second) == durations_apart(first)
-    assert all(collectors._joined[name][1] is part for name, part in parts.items())  # nothing joined again
+    assert collectors.body() is first  # nothing new: the same bytes, health gauges and all
     ranks.push(snap(1, step=4, loss=0.25))
     stats.count("pushes", "ok")
     third = collectors.body()
-    assert collectors._joined["ranks"][1] is not parts["ranks"] and collectors._joined["agent"][1] is not parts["agent"]
-    assert collectors._joined["broken"][1] is parts["broken"]
+    assert third != first
+    assert collectors._runs["ranks"].part is not parts["ranks"] and collectors._runs["agent"].part is not parts["agent"]
+    assert collectors._runs["broken"].part is parts["broken"]
     assert durations_apart(third) == durations_apart(generate_latest(registry))
     assert value(third.decode(), "trainpatrol_loss", 1) == "0.25"
     assert b'trainpatrol_pushes_total{outcome="ok"} 1.0' in third
+
+
+def test_health_gauges_stand_while_no_collector_finds_something_new() -> None:
+    state: dict[str, Any] = {"families": [], "fail": False}
+
+    def flaky() -> list[Any]:
+        if state["fail"]:
+            raise RuntimeError("driver gone")
+        return list(state["families"])
+
+    collectors = CollectorSet({"flaky": type("C", (), {"collect": staticmethod(flaky)})()})
+    first = collectors.body()
+    assert b'trainpatrol_collector_success{collector="flaky"} 1.0' in first
+    assert collectors.body() is first
+    state["fail"] = True  # no families before and none now, but the run failed: a new run
+    failed = collectors.body()
+    assert b'trainpatrol_collector_success{collector="flaky"} 0.0' in failed
+    assert collectors.body() is failed
+    state.update(fail=False, families=[GaugeMetricFamily("trainpatrol_x", "x", value=2.0)])
+    recovered = collectors.body()
+    assert b'trainpatrol_collector_success{collector="flaky"} 1.0' in recovered and b"trainpatrol_x 2.0" in recovered
+    assert [f.name for f in collectors.collect()] == ["trainpatrol_x", "trainpatrol_collector_success",
+                                                      "trainpatrol_collector_duration_seconds"]
 
 
 def test_up_stands_until_the_oldest_up_rank_passes_the_ttl() -> None:

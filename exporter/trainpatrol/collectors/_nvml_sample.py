@@ -197,22 +197,35 @@ def process_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[Labels, floa
     return sorted(total.items())
 
 
-def rendered_families(gpus: Sequence[Mapping[str, Any]],
-                      xids: Mapping[Labels, tuple[int, float]]) -> list[RenderedFamily]:
+Written = dict[str, tuple[list[tuple[Labels, float]], RenderedFamily]]
+"""Each family's series and the family written from them, by family name."""
+
+
+def rendered_families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]],
+                      written: Written | None = None) -> list[RenderedFamily]:
     """The families, in catalogue order, of GPU samples and XID counts keyed (gpu, uuid, xid), their
     lines written straight from the series: building prometheus_client families first took half
-    of a sample's time. Their samples are built only when someone asks for them."""
+    of a sample's time. Their samples are built only when someone asks for them.
+
+    ``written``, the families of earlier samples, saves writing a family whose series are equal,
+    and gets the new ones: from one second to the next most readings (totals, limits, clocks,
+    P-state, reasons, info) do not move."""
     rows = _rows(gpus, xids)
+    written = {} if written is None else written
     out = []
     for spec in NVML_METRICS:
         series = rows.get(spec.name[len(P):])
         if series:
-            name, label_names, value = _layout(spec)
-            lines = "".join([labelled_line(name, tuple(zip(label_names, labels, strict=True)),
-                                           v if value is None else value) for labels, v in series])
-            meta = _meta(spec)
-            out.append(RenderedFamily(meta.name, meta.documentation, meta.type, meta.unit, lines.encode(),
-                                      functools.partial(_samples, spec, series)))
+            kept = written.get(spec.name)
+            if kept is None or kept[0] != series:
+                name, label_names, value = _layout(spec)
+                lines = "".join([labelled_line(name, tuple(zip(label_names, labels, strict=True)),
+                                               v if value is None else value) for labels, v in series])
+                meta = _meta(spec)
+                kept = written[spec.name] = (series, RenderedFamily(
+                    meta.name, meta.documentation, meta.type, meta.unit, lines.encode(),
+                    functools.partial(_samples, spec, series)))
+            out.append(kept[1])
     return out
 
 

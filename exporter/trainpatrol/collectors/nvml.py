@@ -84,6 +84,8 @@ class NvmlCollector:
         self._error = "NVML has not been sampled yet"
         self._xids: dict[ns.Labels, tuple[int, float]] = {}
         self._rendered: tuple[dict[str, Any], dict[ns.Labels, tuple[int, float]], list[RenderedFamily]] | None = None
+        self._written: ns.Written = {}
+        """Each NVML family as last written, for the next sample to keep where its series are equal."""
         self._gpus: list[Gpu] | None = None  # set while NVML is initialised for the sampler
         self._generation = 0  # bumped on every (re-)initialisation, so the event thread re-registers
         self._driver_version = ""
@@ -140,7 +142,7 @@ class NvmlCollector:
         agent.exposition): by the sampler as it stores a sample, or by the first scrape after an XID."""
         cached = self._rendered
         if cached is None or cached[0] is not sample or cached[1] != xids:
-            cached = self._rendered = (sample, xids, ns.rendered_families(sample["gpus"], xids))
+            cached = self._rendered = (sample, xids, ns.rendered_families(sample["gpus"], xids, self._written))
         return cached[2]
 
     def snapshot(self) -> dict[str, Any]:
