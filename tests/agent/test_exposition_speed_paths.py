@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from fake_clock import T0, Clock
-from trainpatrol.agent.exposition import Families, RenderedFamily, exposition, render, sample_line
+from trainpatrol.agent.exposition import Families, RenderedFamily, exposition, go_float, go_floats, render, sample_line
 from trainpatrol.agent.store import RankStore
 from trainpatrol.catalogue import STEP_DURATION_BUCKETS
 from trainpatrol.collectors.agent_self import AgentStats
@@ -342,6 +342,14 @@ def test_sample_line_writes_values_and_labels_as_generate_latest(value: float) -
     expected = generate_latest(Families([family])).decode().split("\n", 2)[2]
     assert sample_line("trainpatrol_x", labels, value) == expected
     assert sample_line("trainpatrol_x", labels, value) == expected  # again, from the label-block cache
+
+
+def test_go_floats_writes_each_value_as_float_to_go_string() -> None:
+    values = (0.0, -0.0, 1.0, 999_999.9, 1e6, 1_000_000.5, 1_234_567.0, 60_921_649_970.87696, 1_796_037_377.5177,
+              9_999_999_999_999_998.0, 1e16, 1.5e300, -1e9, -1_234_567.25, 2.5e-7, float("nan"), float("inf"),
+              float("-inf"))
+    assert go_floats(values) == [floatToGoString(v) for v in values]
+    assert go_floats(values) == [go_float(v) for v in values]
 
 
 def test_the_body_joins_a_collector_once_while_its_families_stay_the_same() -> None:

@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 
-from ..agent.exposition import escape, go_float
+from ..agent.exposition import escape, go_floats
 from ..catalogue import RANK_BY_NAME, RANK_METRICS, STEP_DURATION_BUCKETS
 from ..catalogue import Metric as CatalogueMetric
 from ..protocol import Histogram, RankSnapshot
@@ -66,7 +66,7 @@ class Layout:
     """Per position in ``FAMILIES``, its lines with ``%r`` for each value (``%`` in labels doubled);
     an info metric's value is always written 1.0."""
     text_templates: tuple[str, ...]
-    """The same with ``%s``, for values written by ``go_float`` first."""
+    """The same with ``%s``, for values written by ``go_floats`` first."""
     histogram_template: str
     histogram_heads: tuple[str, ...]
 
@@ -132,7 +132,7 @@ class Table:
         values = tuple(map(_VALUE, samples))
         if _repr_writes(values):
             return self.templates[j] % values
-        return self.text_templates[j] % tuple(map(go_float, values))
+        return self.text_templates[j] % tuple(go_floats(values))
 
     def histogram(self, histograms: Sequence[Histogram | None]) -> str:
         """The step histogram's lines of all ranks (one histogram or None per rank, in order)."""
@@ -181,7 +181,8 @@ def _percent(text: str) -> str:
 
 
 def _histogram_lines(heads: tuple[str, ...], h: Histogram) -> str:
-    return "".join([f"{head}{go_float(v)}\n" for head, v in zip(heads, (*h.counts, h.counts[-1], h.sum), strict=True)])
+    texts = go_floats((*h.counts, h.counts[-1], h.sum))
+    return "".join([f"{head}{text}\n" for head, text in zip(heads, texts, strict=True)])
 
 
 def family(m: CatalogueMetric) -> Metric:

@@ -16,7 +16,7 @@ from operator import attrgetter, is_
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from ..agent.exposition import RenderedFamily, SamplesFn, go_float
+from ..agent.exposition import RenderedFamily, SamplesFn, go_floats
 from ..agent.store import RankEntry, RankStore
 from ..catalogue import AGENT_METRICS, RANK_METRICS
 from ..protocol import Histogram, RankSnapshot
@@ -52,8 +52,8 @@ class _Liveness:
 
     def columns(self, entries: tuple[RankEntry, ...], up: list[bool]) -> tuple[str, str, str]:
         return ("".join([u if is_up else d for u, d, is_up in zip(self.up, self.down, up, strict=True)]),
-                self.push % tuple(map(go_float, map(_LAST_PUSH, entries))),
-                self.step % tuple(map(go_float, map(_LAST_STEP, entries))))
+                self.push % tuple(go_floats(tuple(map(_LAST_PUSH, entries)))),
+                self.step % tuple(go_floats(tuple(map(_LAST_STEP, entries)))))
 
 
 @dataclass(frozen=True)
