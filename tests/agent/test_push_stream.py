@@ -5,6 +5,7 @@ line must never cost the lines around it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -18,7 +19,7 @@ from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 from trainpatrol.agent.exposition import exposition
 from trainpatrol.probe.push_stream import PushStream, StreamRefused
-from trainpatrol.protocol import Command
+from trainpatrol.protocol import Command, RankSnapshot, SnapshotDelta
 
 TOKEN = "stream-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -77,6 +78,17 @@ def test_whole_then_delta_lines_are_merged_and_exposed() -> None:
     assert 'trainpatrol_step_total{rank="0",run="r1"} 20.0\n' in text
     assert 'trainpatrol_learning_rate{param_group="0",rank="0",run="r1"} 0.0003\n' in text
     assert pushes(agent)["ok"] == 3.0
+
+
+def test_a_delta_made_whole_has_frozen_samples_equal_to_validated_ones() -> None:
+    base = RankSnapshot.model_validate_json(json.dumps(snap()))
+    made = SnapshotDelta.model_validate_json(json.dumps(delta(seq=2, changed=[[0, 1.25]]))).whole(base)
+    expected = RankSnapshot.model_validate_json(json.dumps(snap(seq=2, loss=1.25))).samples
+    assert made.samples == expected and made.samples[1:] == base.samples[1:]
+    changed = made.samples[0]
+    assert changed.labels is base.samples[0].labels and changed.name is base.samples[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        changed.value = 2.0  # type: ignore[misc]
 
 
 def test_a_rank_with_commands_hears_them_on_its_stream() -> None:
