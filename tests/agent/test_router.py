@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import itertools
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from loops import scripted_patrol
 from servers import agent, answer_json, free_port, http_get, http_json, wait_for
 from trainpatrol.agent.alerts import Alert, command_id
-from trainpatrol.agent.router import FORWARDED_HEADER
+from trainpatrol.agent.config import AgentConfig
+from trainpatrol.agent.router import FORWARDED_HEADER, Router
 
 TOKEN = "router-test-token"
 _fingerprints = itertools.count(1)
@@ -265,3 +267,28 @@ def test_two_agents_that_list_each_other_never_ping_pong(tmp_path: Path) -> None
             queued + " 2.0"]
         assert [ln for ln in http_get(y + "/metrics").decode().splitlines() if ln.startswith(queued)] == [
             queued + " 1.0"]
+
+
+def test_dns_peers_are_the_names_addresses_on_the_agents_port_less_the_agent_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``localhost`` resolves for real: only loopback, which is this agent. A headless Service with
+    pod addresses needs a cluster, so its answer is given to getaddrinfo: two peers (one IPv6) and
+    this host's own address, as a pod's Service lists the pod itself."""
+    own = socket.gethostbyname(socket.gethostname())
+    assert Router(AgentConfig(port=9400, peers_dns="localhost"), lambda _: None).peers() == []
+    real = socket.getaddrinfo
+
+    def resolve(host: str, port: int, *args: Any, **kwargs: Any) -> list[Any]:
+        if host == "trainpatrol-peers.jobs.svc":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port)) for address in ("10.0.3.7", own)] + \
+                   [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::3:8", port, 0, 0))]
+        if host == "gone.jobs.svc":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    router = Router(AgentConfig(host="0.0.0.0", port=9400, peers=("10.0.3.7:9400", "10.0.9.1:9500"),
+                                peers_dns="trainpatrol-peers.jobs.svc"), lambda _: None)
+    assert router.peers() == ["10.0.3.7:9400", "10.0.9.1:9500", "[fd00::3:8]:9400"]
+    gone = Router(AgentConfig(port=9400, peers=("10.0.9.1:9500",), peers_dns="gone.jobs.svc"), lambda _: None)
+    assert gone.peers() == ["10.0.9.1:9500"]  # the configured peers stand while the name does not resolve

@@ -6,6 +6,7 @@ payloads carry the token and a marker header, and a forwarded payload is never f
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import socket
@@ -32,14 +33,17 @@ class Router:
         self._lock = threading.Lock()
 
     def peers(self) -> list[str]:
+        """The configured peers, then the addresses of ``peers_dns`` on this agent's port, less this
+        agent itself: a headless Service resolves to every pod, this one included."""
+        port = self._config.port
         peers = list(self._config.peers)
         if self._config.peers_dns:
             try:
-                infos = socket.getaddrinfo(self._config.peers_dns, self._config.port, proto=socket.IPPROTO_TCP)
-                peers += sorted({f"{i[4][0]}:{self._config.port}" for i in infos})
+                infos = socket.getaddrinfo(self._config.peers_dns, port, proto=socket.IPPROTO_TCP)
+                peers += sorted({host_port(str(i[4][0]), port) for i in infos})
             except OSError as exc:
                 log.warning("cannot resolve peers DNS name %r: %s", self._config.peers_dns, exc)
-        me = {f"{self._config.host}:{self._config.port}", f"127.0.0.1:{self._config.port}"}
+        me = {host_port(address, port) for address in (self._config.host, *_own_addresses())}
         return [p for p in dict.fromkeys(peers) if p not in me]
 
     def forward(self, alerts: list[Alert], payload: dict[str, object]) -> None:
@@ -103,3 +107,19 @@ class Router:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def host_port(address: str, port: int) -> str:
+    """``address:port`` as a URL authority: an IPv6 address goes in brackets."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+@functools.cache
+def _own_addresses() -> tuple[str, ...]:
+    """The loopback addresses and those this host's name resolves to (a pod's own IP)."""
+    addresses = {"127.0.0.1", "::1"}
+    try:
+        addresses |= {str(i[4][0]) for i in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)}
+    except OSError as exc:
+        log.info("this host's name does not resolve (%s): only loopback counts as this agent", exc)
+    return tuple(sorted(addresses))
