@@ -259,13 +259,19 @@ def test_families_of_any_kind_match_generate_latest() -> None:
     assert [f.samples for f in rendered] == [f.samples for f in families]
 
 
-def test_nvml_is_formatted_once_per_sample_by_the_sampler() -> None:
+def sampled_nvml() -> tuple[Clock, FakeNvml, NvmlCollector, CollectorRegistry]:
+    """A collector of two fake H200s, registered, that has taken one sample."""
     clock = Clock()
     fake = FakeNvml.from_fixture(gpus=2)
     nvml = NvmlCollector(fake, clock=clock)
     registry = CollectorRegistry()
     registry.register(nvml)
     nvml.sample_once()
+    return clock, fake, nvml, registry
+
+
+def test_nvml_is_formatted_once_per_sample_by_the_sampler() -> None:
+    _, fake, nvml, registry = sampled_nvml()
     formatted = nvml._rendered
     assert formatted is not None  # by sample_once, before any scrape
     first, again = list(nvml.collect()), list(nvml.collect())
@@ -283,12 +289,7 @@ def test_nvml_is_formatted_once_per_sample_by_the_sampler() -> None:
 
 
 def test_an_nvml_family_whose_series_stayed_is_not_written_again() -> None:
-    clock = Clock()
-    fake = FakeNvml.from_fixture(gpus=2)
-    nvml = NvmlCollector(fake, clock=clock)
-    registry = CollectorRegistry()
-    registry.register(nvml)
-    nvml.sample_once()
+    clock, fake, nvml, registry = sampled_nvml()
     first = {f.name: f for f in nvml.collect()}
     clock.now = T0 + 1
     fake.set_value(1, "nvmlDeviceGetPowerUsage", 431_250)  # milliwatts
