@@ -114,16 +114,13 @@ def go_float(value: float) -> str:
     if value != value or not -_MAX <= value <= _MAX:
         special: str = floatToGoString(value)
         return special
-    text = repr(value)  # finite, 1e6 or more: Go writes an exponent where Python writes digits
-    dot = text.find(".")
-    if dot > 6:
-        return f"{text[0]}.{text[1:dot]}{text[dot + 1:]}".rstrip("0.") + f"e+{dot - 1:02d}"
-    return text
+    return go_floats((value,))[0]  # finite, 1e6 or more: Go writes an exponent where Python writes digits
 
 
 def go_floats(values: Sequence[float]) -> list[str]:
     """``go_float`` of each value in one pass. A family of byte counts or timestamps writes every
-    value in Go's exponent form, and a call per value cost half as much again."""
+    value in Go's exponent form (positive values of 1e6 and more, up to where ``repr`` takes an
+    exponent itself), and a call per value cost half as much again."""
     return [go_float(v) if t[-1] in "nf" else  # nan, inf: the finite end in a digit
             f"{t[0]}.{t[1:d]}{t[d + 1:]}".rstrip("0.") + _EXPONENT[d] if (d := t.find(".")) > 6 and t[0] != "-" else t
             for v, t in zip(values, map(repr, values), strict=True)]
