@@ -49,6 +49,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last error: {last_exc!r}")
 
 
+def holds_for(predicate: Callable[[], Any], seconds: float, interval: float = 0.05, what: str = "condition") -> None:
+    """Assert that ``predicate`` stays true for the whole of ``seconds`` (checked every ``interval``)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert predicate(), f"{what} stopped holding"
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(interval)
+
+
 def answer_json(handler: http.server.BaseHTTPRequestHandler, status: int, body: Any) -> None:
     """Reply from a test HTTP server's handler with ``body`` as JSON."""
     data = json.dumps(body).encode()

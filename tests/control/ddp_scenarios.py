@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from servers import agent, free_port, http_json, python_env, wait_for
+from servers import agent, free_port, holds_for, http_json, python_env, wait_for
 from trainpatrol import STOP_EXIT_CODE
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -62,7 +62,8 @@ def pause_resume_stop_and_restore(tmp_path: Path, device: str) -> None:
         steps = {r["step"] for r in state(url, "nccl")["ranks"]}
         assert len(steps) == 1
         paused_at = steps.pop()
-        wait_for(lambda: True, 0.1)
+        holds_for(lambda: {r["step"] for r in state(url, "nccl")["ranks"]} == {paused_at}
+                  and state(url, "nccl")["state"] == "paused", 0.5, what="the pause on both ranks")
         http_json(f"{url}/v1/runs/nccl/actions", {"action": "resume", "reason": "nccl test"})
         wait_for(lambda: min(r["step"] for r in state(url, "nccl")["ranks"]) > paused_at + 10, 60, what="resumed")
         http_json(f"{url}/v1/runs/nccl/actions", {"action": "stop", "reason": "nccl test"})

@@ -40,25 +40,36 @@ def main() -> int:
         patrol.restore("latest")
     nan_at = int(os.environ.get("NAN_AT", "0"))
     code = 0
+
+    def train_step(x: torch.Tensor) -> None:
+        step = patrol.step_count + 1
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = (model(x).float() - x.sum(dim=1, keepdim=True) / dim).pow(2).mean()
+        if nan_at and rank == 1 and patrol.step_count + 1 == nan_at:
+            loss = loss * float("nan")
+        loss.backward()
+        patrol.step(loss, batch_size=8)
+        opt.step()
+        opt.zero_grad()
+        losses[step] = loss.detach()
+        if stop_at and step == stop_at and rank == 0:
+            patrol.request("stop", f"test stop at {stop_at}")
+
     try:
+        if os.environ.get("LOOP") == "plain":  # a shuffled DataLoader iterated directly: no patrol.loader, no boundary()
+            data = torch.utils.data.TensorDataset(torch.randn(4096, dim, generator=torch.Generator().manual_seed(rank)))
+            while not max_steps or patrol.step_count < max_steps:
+                for (x,) in torch.utils.data.DataLoader(data, batch_size=8, shuffle=True):
+                    time.sleep(0.005 + slow)
+                    train_step(x.to(device))
+                    if max_steps and patrol.step_count >= max_steps:
+                        break
         while not max_steps or patrol.step_count < max_steps:
             patrol.boundary()
             time.sleep(0.005 + slow)
-            step = patrol.step_count + 1
             # data depends only on (rank, step), so a restored job sees the same batches
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x = torch.randn(8, dim, generator=g).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = (model(x).float() - x.sum(dim=1, keepdim=True) / dim).pow(2).mean()
-            if nan_at and rank == 1 and patrol.step_count + 1 == nan_at:
-                loss = loss * float("nan")
-            loss.backward()
-            patrol.step(loss, batch_size=8)
-            opt.step()
-            opt.zero_grad()
-            losses[step] = loss.detach()
-            if stop_at and step == stop_at and rank == 0:
-                patrol.request("stop", f"test stop at {stop_at}")
+            g = torch.Generator().manual_seed(1000 * rank + patrol.step_count + 1)
+            train_step(torch.randn(8, dim, generator=g).to(device))
     except SystemExit as exc:
         code = int(exc.code or 0)
     finally:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from servers import agent, http_json, wait_for
+from servers import agent, holds_for, http_json, wait_for
 from trainpatrol import STOP_EXIT_CODE, Patrol, PatrolConfig
 from trainpatrol.control.checkpoint import Checkpointer
 
@@ -72,9 +72,7 @@ def test_pause_resume_then_stop_via_the_agent(tmp_path: Path) -> None:
         wait_for(lambda: run_state(url, "p1") == "paused", 20, what="paused")
         paused_at = patrol.step_count
         assert patrol.state == "paused"
-        for _ in range(5):  # it stays paused
-            wait_for(lambda: True, 0.1)
-            assert patrol.step_count == paused_at
+        holds_for(lambda: patrol.step_count == paused_at and patrol.state == "paused", 0.5, what="the pause")
         pause = next(a for a in patrol.actions if a.action == "pause")
         assert pause.outcome == "ok" and pause.step == paused_at
         ckpt = Path(pause.checkpoint)
@@ -118,7 +116,7 @@ def test_restart_from_stop_checkpoint_reproduces_losses_bit_for_bit(tmp_path: Pa
     torch.manual_seed(999)  # the restore must bring the RNG back, not this
     resumed: list[float] = []
     patrol, model = make(tmp_path / "b", url, "split", seed=123)
-    assert patrol.restore("latest") == 12
+    assert patrol.restore("latest").step == 12
     train(patrol, model, 30, resumed)
     patrol.close()
     assert resumed == reference[12:]  # exact float equality
@@ -197,7 +195,7 @@ def test_user_save_fn_and_extra_state_round_trip(tmp_path: Path) -> None:
     restored: list[dict[str, Any]] = []
     patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn")
     patrol.load_extra_state = restored.append
-    assert patrol.restore(saved[0]) == 4
+    assert patrol.restore(saved[0]).step == 4
     assert restored == [extra]
     patrol.close()
 

@@ -4,31 +4,47 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
 - ``state.pt``: replicated state (model, optimizer, scheduler, GradScaler), written by rank 0 once;
 - ``rank-00003.pt``: per-rank state (RNG states of python, numpy, torch and CUDA; the user's extra
   state), one per rank;
-- ``meta.json``: step, world size, time, reason and ``pinned``; written last by rank 0, so a
-  directory without it is incomplete and ignored by ``latest()``.
-Checkpoints written by a pause are pinned and never rotated away.
+- ``meta.json``: step, world size, time, reason, ``pinned``, ``finite`` (whether every floating-point
+  tensor of the model and optimizer state is finite, with the names of those that are not) and
+  ``best`` (the validation loss, for the checkpoint of the best one); written last by rank 0, so a
+  directory without it is incomplete and ignored.
+Rotation keeps the newest ``keep_last`` unpinned checkpoints and never removes a pinned one (a
+pause's), the newest finite one or the newest best one. ``restore("latest")`` takes the newest finite one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger("trainpatrol")
+STALE_TEMP_SECONDS = 3600.0
+"""A temporary file older than this is from a write that died, wherever it ran."""
+NONFINITE_NAMES_KEPT = 20
 
 SaveFn = Callable[[Path, dict[str, Any]], None]
 """A user-supplied saver (e.g. torch.distributed.checkpoint for FSDP): gets the directory and the
 default state; it must write atomically itself."""
 
 
+def _temp_suffix() -> str:
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
 def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write to a temporary file, fsync, rename; on any failure the temporary file is removed."""
+    tmp = path.with_name(f".{path.name}{_temp_suffix()}")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -69,11 +85,102 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_files(directory: Path, now: float | None = None) -> list[Path]:
+    """Temporary files of writes that died: this host's whose process is gone, or any over an hour old."""
+    if not directory.is_dir():
+        return []
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    removed = []
+    for tmp in directory.glob("step-*/.*.tmp-*"):
+        owner = tmp.name.rsplit(".tmp-", 1)[1]
+        tmp_host, _, pid = owner.rpartition("-")
+        try:
+            dead = (tmp_host == host and pid.isdigit() and not _alive(int(pid))) or \
+                now - tmp.stat().st_mtime > STALE_TEMP_SECONDS
+            if dead:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:
+            continue
+    return removed
+
+
+def _tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, f"{name}{'.' if not name.endswith(':') else ''}{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{name}.{i}")
+
+
+def nonfinite_entries(state: dict[str, Any]) -> list[str]:
+    """Names of the model's and optimizer's floating-point tensors holding a NaN or an Inf (one read per device)."""
+    by_device: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
+    for part in ("model", "optimizer"):
+        for name, t in _tensors(state.get(part), f"{part}:"):
+            if t.is_floating_point() or t.is_complex():
+                names, flags = by_device.setdefault(t.device, ([], []))
+                names.append(name)
+                flags.append(torch.isfinite(t).all())
+    bad: list[str] = []
+    for names, flags in by_device.values():
+        finite = torch.stack(flags).tolist()
+        bad += [n for n, ok in zip(names, finite, strict=True) if not ok]
+    return bad
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``Patrol.restore`` loaded; false when there was nothing to restore."""
+
+    step: int = 0
+    path: str = ""
+    reason: str = ""
+    """Why this checkpoint (or why none)."""
+    skipped: tuple[str, ...] = field(default_factory=tuple)
+    """Newer checkpoints passed over, each with why."""
+    epoch: int = 0
+    """The data loader's epoch at the checkpoint (0 without ``patrol.loader``)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.path)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((path / "meta.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def describe_nonfinite(meta: dict[str, Any]) -> str:
+    names = meta.get("nonfinite") or []
+    count = int(meta.get("nonfinite_count", len(names)))
+    shown = ", ".join(names[:4]) + (", ..." if count > 4 else "")
+    return f"{count} non-finite tensor{'s' if count != 1 else ''} ({shown})"
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep_last: int = 3, save_fn: SaveFn | None = None) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.save_fn = save_fn
+        for tmp in remove_stale_temp_files(self.directory):
+            log.warning("trainpatrol: removed %s, left by a checkpoint write that died", tmp)
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step-{step:08d}"
@@ -104,13 +211,41 @@ class Checkpointer:
         return sorted(p for p in self.directory.glob("step-*") if (p / "meta.json").is_file())
 
     def latest(self) -> Path | None:
+        """The newest complete checkpoint, finite or not."""
         done = self.complete()
         return done[-1] if done else None
 
+    def latest_finite(self) -> tuple[Path | None, list[str]]:
+        """The newest complete checkpoint whose state is finite (or was written before that was recorded),
+        and why each newer one was passed over."""
+        skipped = []
+        for path in reversed(self.complete()):
+            meta = read_meta(path)
+            if meta.get("finite", True) is not False:
+                return path, skipped
+            skipped.append(f"{path.name}: {describe_nonfinite(meta)}")
+        return None, skipped
+
+    def last_good(self) -> Path | None:
+        return self.latest_finite()[0]
+
+    def best(self) -> Path | None:
+        """The newest checkpoint written for a best validation loss."""
+        for path in reversed(self.complete()):
+            if read_meta(path).get("best") is not None:
+                return path
+        return None
+
     def _rotate(self, keep: Path) -> None:
-        unpinned = [p for p in self.complete() if not json.loads((p / "meta.json").read_text()).get("pinned")]
+        metas = [(p, read_meta(p)) for p in self.complete()]
+        protected = {keep}
+        for wanted in (lambda m: m.get("finite", True) is not False, lambda m: m.get("best") is not None):
+            newest = [p for p, m in metas if wanted(m)]
+            if newest:
+                protected.add(newest[-1])
+        unpinned = [p for p, m in metas if not m.get("pinned")]
         for old in unpinned[: max(0, len(unpinned) - self.keep_last)]:
-            if old != keep:
+            if old not in protected:
                 shutil.rmtree(old, ignore_errors=True)
 
 

@@ -2,7 +2,8 @@
 
 Every rank runs the same code on the same agreed word, so every rank does the same thing at the
 same step. A pause waits outside any collective; while paused the ranks meet only in short,
-completed rounds, so NCCL timeouts cannot fire. A failed checkpoint keeps the run paused.
+completed rounds, so NCCL timeouts cannot fire. A failed checkpoint keeps the run paused. A
+checkpoint records whether its state is finite; ``restore("latest")`` takes the newest finite one.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class Executor:
         step = agreed.step
         p.state = {"pause": "pausing", "stop": "stopping"}.get(action, p.state)
         detail, path, ok = "", "", True
+        facts: dict[str, Any] = {}
         if action in ("checkpoint", "pause", "stop"):
-            ok, path, detail = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger)
+            ok, path, detail, facts = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger)
         if action == "empty_cache" and p.device.type == "cuda":
             torch.cuda.empty_cache()
         bundle = Path(p.config.evidence_dir) / bundle_name(agreed.clock, step, action)
@@ -76,7 +78,7 @@ class Executor:
             write_rank_part(bundle, p.identity.rank, history=p.history.dump(), device=p.device,
                             nvml=fetch_nvml(p.config.agent_url, p.config.token), config=p.config_dict(),
                             extra={"checkpoint": path, "outcome": "ok" if ok else "failed", "detail": detail,
-                                   "trigger": trigger, "loader_audit": audit})
+                                   "trigger": trigger, "loader_audit": audit, **facts})
         except OSError as exc:
             detail = (detail + "; " if detail else "") + f"evidence not written: {exc}"
             log.error("trainpatrol: %s", detail)
@@ -85,7 +87,8 @@ class Executor:
             try:
                 write_manifest(bundle, {"action": action, "command_id": cid, "step": step, "run": p.config.run,
                                         "world_size": p.identity.world_size, "time": agreed.clock,
-                                        "checkpoint": path, "checkpoint_ok": ok}, trigger)
+                                        "checkpoint": path, "checkpoint_ok": ok, **facts,
+                                        **self._checkpoint_landmarks()}, trigger)
                 write_report_quietly(bundle)
             except OSError as exc:
                 detail = (detail + "; " if detail else "") + f"evidence manifest not written: {exc}"
@@ -94,13 +97,21 @@ class Executor:
         self._record(cid, action, "ok" if ok else "failed", step, detail, path, str(bundle))
         return ok
 
-    def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any]) -> tuple[bool, str, str]:
+    def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any]) -> tuple[bool, str, str, dict[str, Any]]:
+        """(ok, path, detail, facts): facts say, on rank 0, whether the state is finite and if it is the best."""
         p = self.p
         rank = p.identity.rank
         detail = ""
+        facts: dict[str, Any] = {}
+        best, p.best_pending = p.best_pending, None
         try:
             replicated = self._replicated_state(step) if rank == 0 else None
-            per_rank = {"step": step, "rng": ckpt.rng_state(),
+            if replicated is not None:
+                bad = ckpt.nonfinite_entries(replicated)
+                facts = {"finite": not bad, "nonfinite": bad[:ckpt.NONFINITE_NAMES_KEPT], "nonfinite_count": len(bad)}
+                if best is not None:
+                    facts["best"] = {"validation_loss": best}
+            per_rank = {"step": step, "rng": ckpt.rng_state(), "loader": p.loader_tracker.state(),
                         "extra": p.extra_state() if p.extra_state is not None else None}
             p.checkpointer.save_rank(step, rank, replicated, per_rank)
             ok = True
@@ -112,17 +123,32 @@ class Executor:
         if ok and rank == 0:
             try:
                 p.checkpointer.commit(step, {"world_size": p.identity.world_size, "pinned": pinned,
-                                             "run": p.config.run, "reason": reason})
+                                             "run": p.config.run, "reason": reason, **facts})
             except Exception as exc:
                 ok, detail = False, f"rank 0: checkpoint commit failed: {exc}"
                 log.error("trainpatrol: %s", detail)
         ok = p.coordinator.all_true(ok)
         if not ok:
             p.totals.checkpoint_failures += 1
-            return False, "", detail or "checkpoint failed on another rank"
+            return False, "", detail or "checkpoint failed on another rank", {}
         p.last_checkpoint = path
         p.latest.last_checkpoint_time, p.latest.last_checkpoint_step = time.time(), float(step)
-        return True, path, detail
+        if facts.get("finite") is False:
+            good = p.checkpointer.last_good()
+            detail = (f"checkpoint holds {ckpt.describe_nonfinite(facts)}; restore('latest') passes over it; "
+                      f"last good checkpoint: {good or 'none'}")
+            log.error("trainpatrol: %s", detail)
+        return True, path, detail, facts
+
+    def _checkpoint_landmarks(self) -> dict[str, Any]:
+        """The checkpoints a reader of the evidence wants next to the one just written."""
+        c = self.p.checkpointer
+        good, best = c.last_good(), c.best()
+        marks: dict[str, Any] = {"last_good_checkpoint": str(good or "")}
+        if best is not None:
+            marks["best_checkpoint"] = str(best)
+            marks["best_validation_loss"] = ckpt.read_meta(best).get("best", {}).get("validation_loss")
+        return marks
 
     def _replicated_state(self, step: int) -> dict[str, Any]:
         p = self.p
@@ -171,10 +197,15 @@ class Executor:
                 if action in fresh:
                     self._act(action, fresh[action], now, self._trigger(fresh[action], action))
             if "resume" in fresh:
-                self._record(fresh["resume"], "resume", "ok", agreed.step)
+                # a person resumed: a fault that persists, or comes back, must stop the run again
+                p.guards.rearm()
+                acting = ", ".join(f"{g} -> {a}" for g, a in p.config.guard_actions.items()) or "none"
+                self._record(fresh["resume"], "resume", "ok", agreed.step,
+                             f"guards re-armed; if the fault persists they act again ({acting})")
                 p.state = "running"
                 p.publisher.push_now()
-                log.warning("trainpatrol: run %s resumed at step %d", p.config.run, agreed.step)
+                log.warning("trainpatrol: run %s resumed at step %d; guards re-armed: if the fault persists they act "
+                            "again (%s)", p.config.run, agreed.step, acting)
                 return
 
     def _stop(self) -> None:
@@ -185,11 +216,19 @@ class Executor:
         raise SystemExit(STOP_EXIT_CODE)
 
     # --- restore ------------------------------------------------------------------------------
-    def restore(self, path: str | Path) -> int:
+    def restore(self, path: str | Path) -> ckpt.Restored:
         p = self.p
-        target = p.checkpointer.latest() if str(path) == "latest" else Path(path)
-        if target is None:
-            raise FileNotFoundError(f"No complete checkpoint under {str(p.checkpointer.directory)!r}.")
+        skipped: list[str] = []
+        if str(path) == "latest":
+            target, skipped = p.checkpointer.latest_finite()
+            if target is None:
+                why = (f"nothing to restore: no complete checkpoint with finite state under "
+                       f"{str(p.checkpointer.directory)!r}" + (f" (passed over {'; '.join(skipped)})" if skipped else ""))
+                log.warning("trainpatrol: %s; starting fresh", why)
+                return ckpt.Restored(reason=why, skipped=tuple(skipped))
+            reason = "the newest checkpoint with finite state" if skipped else "the newest checkpoint"
+        else:
+            target, reason = Path(path), "asked for by path"
         meta, replicated, per_rank = ckpt.load(target, p.identity.rank, map_location=p.device)
         for name in ("model", "optimizer", "scheduler", "scaler"):
             obj = getattr(p, name)
@@ -197,10 +236,18 @@ class Executor:
                 obj.load_state_dict(replicated[name])
         if "rng" in per_rank:
             ckpt.set_rng_state(per_rank["rng"])
+        # the loader replays its epoch's start from its own RNG, then the checkpoint's RNG is set again
+        epoch = p.loader_tracker.restore(per_rank.get("loader"), lambda: ckpt.set_rng_state(per_rank["rng"]))
         if p.load_extra_state is not None and per_rank.get("extra") is not None:
             p.load_extra_state(per_rank["extra"])
         step = int(meta["step"])
         p.start_at(step)
         p.last_checkpoint = str(target)
-        log.warning("trainpatrol: restored %s (step %d)", target, step)
-        return step
+        best = p.checkpointer.best()
+        if best is not None:
+            p.restored_best(float(ckpt.read_meta(best)["best"]["validation_loss"]))
+        if meta.get("finite") is False:
+            log.error("trainpatrol: %s holds %s", target, ckpt.describe_nonfinite(meta))
+        passed = f"; passed over {'; '.join(skipped)}" if skipped else ""
+        log.warning("trainpatrol: restored %s (step %d): %s%s", target, step, reason, passed)
+        return ckpt.Restored(step=step, path=str(target), reason=reason, skipped=tuple(skipped), epoch=epoch)

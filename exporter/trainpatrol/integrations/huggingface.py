@@ -83,6 +83,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         patrol.model = patrol.model or model
         patrol.optimizer = patrol.optimizer or optimizer
         patrol.scheduler = patrol.scheduler or lr_scheduler
+        patrol.framework_drives()
         patrol.start_at(state.global_step)
         self._stopping = self._due = False
         average_tokens = getattr(args, "average_tokens_across_devices", False)  # transformers >= 4.46

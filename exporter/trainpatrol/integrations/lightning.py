@@ -95,6 +95,7 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
         patrol.model = patrol.model or pl_module
         patrol.optimizer = patrol.optimizer or optimizer
         patrol.scheduler = patrol.scheduler or scheduler
+        patrol.framework_drives()
         patrol.start_at(trainer.global_step)
         self._seen_step = trainer.global_step
         self._reset_step()

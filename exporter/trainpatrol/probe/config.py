@@ -46,6 +46,11 @@ class PatrolConfig:
     guard_actions: dict[str, str] = field(default_factory=lambda: {"nonfinite_loss": "pause",
                                                                    "nonfinite_grad": "pause"})
     """Which action a tripped local guard requests. Unlisted guards are recorded, exported, logged."""
+    skip_nonfinite_updates: bool = True
+    """Skip the optimizer update of a step whose loss or gradients are non-finite, on the device and without a
+    host sync, so the weights a pause saves are the last good ones (see ``probe/update_hooks.py``)."""
+    keep_best_checkpoint: bool = True
+    """A new best loss passed to ``evaluate()`` checkpoints at the next boundary; rotation never removes that one."""
     pause_timeout_seconds: float = 0.0
     """A pause longer than this turns into ``stop``; 0 waits for ever."""
     pause_poll_seconds: float = 0.2

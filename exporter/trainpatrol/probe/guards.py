@@ -73,6 +73,11 @@ class Guards:
         self._quiet = True
         """No step guard is active."""
 
+    def rearm(self) -> None:
+        """Forget which conditions hold, so one that still holds trips (and acts) again at its next step."""
+        self.active = dict.fromkeys(GUARDS, False)
+        self._quiet = True
+
     def _set(self, guard: str, condition: bool, detail: Callable[[], str], tripped: list[tuple[str, str]]) -> None:
         if condition and not self.active[guard]:
             self.trips[guard] += 1

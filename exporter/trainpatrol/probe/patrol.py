@@ -3,8 +3,9 @@
 The hot path (``step``) keeps loss, grad norm and non-finite counts on the device and reads them one
 step later from pinned memory; it never synchronises host and device. On CPU it reads them at once,
 and folds them into history, totals and guards every few steps in one loop (a non-finite value at
-once). Control actions happen at step boundaries (``boundary``, called by ``loader`` before each
-batch), agreed across ranks.
+once). Control actions happen at step boundaries, agreed across ranks: before each batch when batches
+come through ``loader`` (the only place where a checkpoint holds the loader's position, for an exact
+resume), else right after ``optimizer.step()``. A non-finite step's update is skipped (``update_hooks``).
 Emits every rank metric of the catalogue through its agent (see docs/metrics.md).
 """
 
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..catalogue import STEP_DURATION_BUCKETS
-from ..control.checkpoint import Checkpointer, SaveFn
+from ..control.checkpoint import Checkpointer, Restored, SaveFn
 from ..control.coordinator import Coordinator, encode
 from ..control.evidence import bundle_name, set_recording, write_manifest, write_rank_part
 from ..control.executor import Executor
@@ -38,11 +39,12 @@ from .config import PatrolConfig
 from .embedded import agent_answers, start_embedded_agent, stop_embedded_agent
 from .guards import Guards
 from .identity import detect
-from .loader import LoaderAudit, TimedLoader, audit
+from .loader import LoaderAudit, LoaderTracker, TimedLoader, audit
 from .memory import MemoryReading, default_reader
 from .metrics_state import Latest, Totals, samples
 from .publisher import Publisher
 from .readback import Readback
+from .update_hooks import UpdateHooks
 from .window import History, StepRecord
 
 log = logging.getLogger("trainpatrol")
@@ -65,6 +67,10 @@ class Patrol:
         if run is not None:
             cfg.run = run
         self.config = cfg.validate()
+        self._hooks: UpdateHooks | None = None
+        self._boundary_driven = self._framework = False
+        """Whether the caller runs ``boundary()`` (the loader wrapper, a framework callback, a loop of its own);
+        until then Patrol acts from its hook after ``optimizer.step()``."""
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.extra_state, self.load_extra_state = extra_state, load_extra_state
         if device is None and model is not None:
@@ -94,6 +100,10 @@ class Patrol:
         self._lrs: list[Any] | None = None
         """The last step's param-group learning rates, until ``latest`` takes them."""
         self._audit: LoaderAudit | None = None
+        self.loader_tracker = LoaderTracker()
+        self._best_val = math.inf
+        self.best_pending: float | None = None
+        """A new best validation loss that the next checkpoint is marked with (see ``evaluate``)."""
         self._audit_logged: set[str] = set()
         self._loss_sum: torch.Tensor | None = None
         self._wait_since_step = 0.0
@@ -124,6 +134,21 @@ class Patrol:
 
     # --- the loop -----------------------------------------------------------------------------
     @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Setting it (also after construction) hooks its steps: the non-finite skip and acting after the step."""
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._optimizer = optimizer
+        self._hooks = None if optimizer is None else \
+            UpdateHooks(optimizer, skip=self.config.skip_nonfinite_updates, after_step=self._after_optimizer_step)
+        if self._hooks is not None and self._framework:
+            self._hooks.judge_from_grads = True
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps completed (restored by ``restore``)."""
         return self.totals.steps
@@ -135,7 +160,7 @@ class Patrol:
             if check not in self._audit_logged:
                 self._audit_logged.add(check)
                 log.warning("trainpatrol DataLoader audit: %s: %s", check, advice)
-        return TimedLoader(loader, self.boundary, self.waited)
+        return TimedLoader(loader, self.boundary, self.waited, self.loader_tracker)
 
     def waited(self, seconds: float) -> None:
         """Report time spent waiting for a batch (done by ``loader``; for frameworks that fetch themselves)."""
@@ -189,6 +214,8 @@ class Patrol:
                 lrs.append(group.get("lr"))
             self._lrs = lrs
         if not self._on_cpu:
+            if self._hooks is not None and self._hooks.mode != "off":
+                self._hooks.judge(_finite_on_device(mean_loss, grad_norm))
             rec = self._step_device(mean_loss, grad_norm, scale)
             rec.probe_seconds = self._probe_since_step + (time.perf_counter() - start)
             self._probe_since_step = 0.0
@@ -206,6 +233,8 @@ class Patrol:
             self._owner = threading.get_ident()
         rows.append(row)
         both = loss_f + gn_f
+        if self._hooks is not None:
+            self._hooks.judge(both - both == 0)  # an absent norm is a finite -1
         # a non-finite value is folded in at once, so a guard's action comes at the next boundary
         if len(rows) >= self._host_batch or both - both != 0 or start >= self._memory_due:
             self._absorb_host(start >= self._memory_due)
@@ -213,6 +242,14 @@ class Patrol:
         else:
             row[-1] = self._probe_since_step + (time.perf_counter() - start)
         self._probe_since_step = 0.0
+        if self._pending and self._hooks is None and not self._boundary_driven:
+            self._cannot_act()
+
+    def _cannot_act(self) -> None:
+        action = next(iter(self.take_pending().values()))
+        raise RuntimeError(f"trainpatrol: `{action['action']}` was requested ({action['reason']}), but this loop has no "
+                           "step boundary where Patrol can act: iterate batches through `patrol.loader(...)`, pass "
+                           "`optimizer=` to Patrol, or call `patrol.boundary()` between steps.")
 
     def _step_device(self, mean_loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
                      scale: torch.Tensor | None) -> StepRecord:
@@ -342,9 +379,18 @@ class Patrol:
                 self.request(action, f"local guard {guard}: {detail}", source=f"guard:{guard}")
 
     def evaluate(self, val_loss: float | torch.Tensor) -> None:
-        """Record a validation loss (evaluation is off the hot path, so a tensor is read here)."""
+        """Record a validation loss (evaluation is off the hot path, so a tensor is read here). A new best one
+        is checkpointed at the next boundary, and that checkpoint is kept (``keep_best_checkpoint``)."""
         self._absorb_host()
-        self.latest.validation_loss = float(val_loss)
+        value = float(val_loss)
+        self.latest.validation_loss = value
+        if self.config.keep_best_checkpoint and value < self._best_val:
+            self._best_val = self.best_pending = value
+            self.request("checkpoint", f"new best validation loss {value:.6g}", source="best_validation_loss")
+
+    def restored_best(self, value: float) -> None:
+        """The best validation loss of the run this one restores (a later one must beat it)."""
+        self._best_val = min(self._best_val, value)
 
     # --- control ------------------------------------------------------------------------------
     def request(self, action: str, reason: str = "", source: str = "local", command_id: int | None = None,
@@ -385,7 +431,24 @@ class Patrol:
                       time.time())
 
     def boundary(self) -> None:
-        """The step boundary: exchange the control word when due and carry out agreed actions."""
+        """The step boundary: exchange the control word when due and carry out agreed actions. Called by
+        ``loader`` before each batch; a loop or framework that calls it itself takes over from the hook
+        after ``optimizer.step()``."""
+        self._boundary_driven = True
+        self._boundary()
+
+    def framework_drives(self) -> None:
+        """A framework callback feeds this Patrol after each optimizer step and runs ``boundary()`` itself:
+        Patrol stops acting from its optimizer hook, and judges each update from the gradients before it."""
+        self._boundary_driven = self._framework = True
+        if self._hooks is not None:
+            self._hooks.judge_from_grads = True
+
+    def _after_optimizer_step(self) -> None:
+        if not self._boundary_driven:
+            self._boundary()
+
+    def _boundary(self) -> None:
         if not self._pending and not self.coordinator.distributed:
             return
         if self.totals.micro_steps % self.config.grad_accum_steps:
@@ -431,8 +494,11 @@ class Patrol:
         return d
 
     # --- restore, close, OOM forensics --------------------------------------------------------
-    def restore(self, path: str | Path = "latest") -> int:
-        """Load model, optimizer, scheduler, scaler, RNG and extra state; returns the step."""
+    def restore(self, path: str | Path = "latest") -> Restored:
+        """Load model, optimizer, scheduler, scaler, RNG, the loader's position and extra state.
+
+        ``"latest"`` is the newest checkpoint whose state is finite. Returns what was restored and why (false
+        when there is nothing to restore: a fresh run)."""
         self._absorb_host()
         return self.executor.restore(path)
 
@@ -446,6 +512,8 @@ class Patrol:
             self.state = "closed"
         self.publisher.stop(final_push=True)
         stop_embedded_agent(self._agent_proc)
+        if self._hooks is not None:
+            self._hooks.remove()
 
     def __enter__(self) -> Patrol:
         return self
@@ -477,6 +545,15 @@ class Patrol:
 
     def memory_reading(self) -> MemoryReading | None:
         return self.latest.memory
+
+
+def _finite_on_device(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
+    ok = torch.isfinite(loss.detach())
+    if isinstance(grad_norm, torch.Tensor):
+        ok = ok & torch.isfinite(grad_norm.detach()).to(ok.device)
+    elif grad_norm is not None and not math.isfinite(grad_norm):
+        ok = ok & False
+    return ok.reshape(())
 
 
 def _cumulative(counts: list[float]) -> list[float]:

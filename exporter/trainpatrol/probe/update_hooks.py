@@ -1,0 +1,121 @@
+"""Hooks on the user's optimizer: skip a non-finite update, and act right after the step.
+
+A step whose loss or gradients are non-finite must not reach the weights, or the checkpoint a pause
+writes is poisoned. How the update is skipped depends on the optimizer, never with a host sync:
+
+- ``found_inf``: torch's fused optimizers (``fused=True``: Adam, AdamW, SGD, Adagrad) take a device
+  flag, as ``GradScaler`` gives them; the kernel leaves weights, moments and step counts untouched.
+- ``hide_grads``: parameters on the CPU, where reading the flag costs nothing: the gradients are
+  hidden for the step (optimizers skip a parameter without a gradient) and put back after it.
+- ``off``: anything else (a non-fused optimizer on a GPU would need a sync). Checkpoints then record
+  whether their state is finite, and ``restore("latest")`` passes over the poisoned ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import device_values as dv
+
+log = logging.getLogger("trainpatrol")
+_ABSENT = object()
+
+
+def innermost(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under wrappers such as accelerate's ``AcceleratedOptimizer``."""
+    seen = 0
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and seen < 8:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer  # type: ignore[no-any-return]
+
+
+def skip_mode(optimizer: torch.optim.Optimizer) -> str:
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return "found_inf"
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if params and all(p.device.type == "cpu" for p in params):
+        return "hide_grads"
+    return "off"
+
+
+class UpdateHooks:
+    """Step pre- and post-hooks on ``optimizer``; ``judge`` hands over the closing step's finiteness."""
+
+    def __init__(self, optimizer: Any, *, skip: bool, after_step: Callable[[], None]) -> None:
+        self.optimizer = innermost(optimizer)
+        self.mode = skip_mode(self.optimizer) if skip else "off"
+        if skip and self.mode == "off":
+            log.warning("trainpatrol: %s cannot skip a non-finite update on the GPU without a host sync; build it "
+                        "with fused=True to have Patrol skip it. Until then a checkpoint written after a NaN is "
+                        "marked non-finite and restore('latest') passes over it.", type(self.optimizer).__name__)
+        self._after_step = after_step
+        self.judge_from_grads = False
+        """Set when the loss is recorded only after the step (framework callbacks): ``judge`` is then ignored."""
+        self._ok: torch.Tensor | bool | None = None
+        self._saved_found_inf: Any = _ABSENT
+        self._set_found_inf = False
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.skipped = 0
+        """Updates skipped by ``hide_grads`` (``found_inf`` skips are counted from read-back values)."""
+        self._handles = [self.optimizer.register_step_pre_hook(self._pre),
+                         self.optimizer.register_step_post_hook(self._post)]
+
+    def judge(self, ok: torch.Tensor | bool) -> None:
+        """Whether the step about to be applied is finite: a device bool tensor, or a host bool on CPU."""
+        if self.mode != "off" and not self.judge_from_grads:
+            self._ok = ok
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _take_ok(self) -> torch.Tensor | bool:
+        ok, self._ok = self._ok, None
+        if ok is None:  # Patrol.step did not judge this step (a framework that steps first): the grads tell
+            norm = dv.total_grad_norm(self._params())
+            ok = True if norm is None else torch.isfinite(norm)
+        return ok
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.mode == "off":
+            return
+        ok = self._take_ok()
+        if self.mode == "hide_grads":
+            if not bool(ok):  # on the CPU a read is free
+                self.skipped += 1
+                self._hidden = [(p, p.grad) for p in self._params()]
+                for p, _ in self._hidden:
+                    p.grad = None
+            return
+        params = self._params()
+        device = params[0].device if params else torch.device("cpu")
+        if isinstance(ok, torch.Tensor):
+            bad = (~ok).to(device=device, dtype=torch.float32, non_blocking=True)
+        else:
+            bad = torch.full((), 0.0 if ok else 1.0, dtype=torch.float32, device=device)
+        existing = getattr(optimizer, "found_inf", None)
+        self._saved_found_inf = getattr(optimizer, "found_inf", _ABSENT)
+        self._set_found_inf = True
+        # the kernels skip only on exactly 1.0 and subtract the flag from the step counts: keep it 0 or 1
+        optimizer.found_inf = bad if existing is None else torch.maximum(existing, bad.to(existing.device))  # type: ignore[attr-defined]
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._ok = None
+        if self._hidden:
+            for p, g in self._hidden:
+                p.grad = g
+            self._hidden = []
+        if self._set_found_inf:  # GradScaler deletes its own flag after the step: hand it back as it was
+            if self._saved_found_inf is _ABSENT:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            else:
+                optimizer.found_inf = self._saved_found_inf  # type: ignore[attr-defined]
+            self._saved_found_inf, self._set_found_inf = _ABSENT, False
+        self._after_step()

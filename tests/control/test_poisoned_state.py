@@ -1,0 +1,123 @@
+"""A non-finite step never becomes the state a run resumes from."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from resume_loops import config, meta, mlp, mlp_loss, nonfinite_tensors, run_until_stopped
+
+from servers import wait_for
+from trainpatrol import STOP_EXIT_CODE, Patrol
+from trainpatrol.control.checkpoint import Checkpointer
+
+
+def train_mlp(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
+              nan_at: int = 0, checkpoint_at: int = 0) -> None:
+    """The README loop with a real DataLoader-free batch source; ``loss * nan`` at step ``nan_at``."""
+    while patrol.step_count < steps:
+        patrol.boundary()
+        loss = mlp_loss(model)
+        if patrol.step_count + 1 == nan_at:
+            loss = loss * float("nan")
+        loss.backward()
+        patrol.step(loss)
+        opt.step()
+        opt.zero_grad()
+        if patrol.step_count == checkpoint_at:
+            patrol.request("checkpoint", "periodic")
+
+
+def pause_then_stop(patrol: Patrol, fn: object) -> int | None:
+    """Run ``fn`` in a thread until the run pauses, then stop it; returns the exit code."""
+    result: list[int | None] = []
+    t = threading.Thread(target=lambda: result.append(run_until_stopped(fn)), daemon=True)
+    t.start()
+    wait_for(lambda: patrol.state == "paused", 30, what="paused")
+    patrol.request("stop", "test over")
+    t.join(30)
+    return result[0]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
+def test_a_nan_step_leaves_the_pause_checkpoint_finite_and_latest(tmp_path: Path, fused: bool) -> None:
+    model, _ = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "nan"))
+    assert pause_then_stop(patrol, lambda: train_mlp(patrol, model, opt, 10**6, nan_at=50)) == STOP_EXIT_CODE
+    pause = next(a for a in patrol.actions if a.action == "pause")
+    assert pause.step == 50
+    latest = Checkpointer(tmp_path / "ckpt").latest()
+    assert latest is not None and latest.name == "step-00000050"
+    assert nonfinite_tensors(latest) == []
+    assert meta(latest)["finite"] is True
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    patrol.close()
+
+
+def test_a_skipped_nan_step_does_not_move_weights_or_optimizer_state(tmp_path: Path) -> None:
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "skip", guard_actions={}))
+    train_mlp(patrol, model, opt, 20)
+    before = [p.detach().clone() for p in model.parameters()]
+    steps_before = [int(s["step"]) for s in opt.state.values()]
+    train_mlp(patrol, model, opt, 21, nan_at=21)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert [int(s["step"]) for s in opt.state.values()] == steps_before
+    train_mlp(patrol, model, opt, 22)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    patrol.close()
+
+
+def test_restore_latest_takes_the_newest_finite_checkpoint_and_says_which(tmp_path: Path) -> None:
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "poison", skip_nonfinite_updates=False))
+    assert pause_then_stop(patrol, lambda: train_mlp(patrol, model, opt, 10**6, nan_at=50,
+                                                     checkpoint_at=31)) == STOP_EXIT_CODE
+    patrol.close()
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    names = [p.name for p in ckpt.complete()]
+    assert names == ["step-00000031", "step-00000050"]
+    poisoned = ckpt.path_for(50)
+    assert sorted(nonfinite_tensors(poisoned))[:2] == ["model:0.bias", "model:0.weight"]
+    assert meta(poisoned)["finite"] is False and "model:0.weight" in meta(poisoned)["nonfinite"]
+    assert meta(ckpt.path_for(31))["finite"] is True
+
+    model, opt = mlp(seed=5)
+    fresh = Patrol(model=model, optimizer=opt, config=config(tmp_path, "poison"))
+    restored = fresh.restore("latest")
+    assert restored.step == 31 and Path(restored.path).name == "step-00000031"
+    assert len(restored.skipped) == 1 and "step-00000050" in restored.skipped[0]
+    assert "non-finite" in restored.skipped[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    fresh.close()
+
+
+def test_rotation_never_removes_the_last_finite_checkpoint(tmp_path: Path) -> None:
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "rot", skip_nonfinite_updates=False,
+                                                              keep_checkpoints=1, guard_actions={}))
+    train_mlp(patrol, model, opt, 10, checkpoint_at=10)
+    train_mlp(patrol, model, opt, 12, nan_at=11)  # poisons the weights for good
+    for step in (13, 14, 15):
+        patrol.request("checkpoint", "periodic")
+        train_mlp(patrol, model, opt, step)
+    names = [p.name for p in Checkpointer(tmp_path / "ckpt").complete()]
+    assert names == ["step-00000010", "step-00000014"]
+    restored = patrol.restore("latest")
+    assert restored.step == 10
+    patrol.close()
+
+
+def test_restore_with_no_checkpoint_says_there_is_nothing_to_restore(tmp_path: Path) -> None:
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "empty"))
+    before = [p.detach().clone() for p in model.parameters()]
+    restored = patrol.restore("latest")
+    assert not restored
+    assert restored.step == 0 and restored.path == ""
+    assert "nothing to restore" in restored.reason
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    patrol.close()
