@@ -46,9 +46,17 @@ def happened(bundle: Bundle, inc: Incident) -> str:
         ok = manifest.get("checkpoint_ok")
         state = '<span class="bad-text">failed</span>' if ok is False else "written"
         facts.append(("Checkpoint", f"{state}: <code>{esc(manifest.get('checkpoint') or '-')}</code>"))
+    facts += _checkpoint_facts(manifest)
     world = manifest.get("world_size")
     facts.append(("Ranks in bundle", f"{len(bundle.ranks)}" + (f" of {esc(world)}" if world else "")))
     out = ['<dl class="facts">' + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"]
+    if manifest.get("finite") is False:
+        names = ", ".join(manifest.get("nonfinite") or [])
+        good = manifest.get("last_good_checkpoint") or ""
+        out.append(note(f"The checkpoint written here holds {esc(manifest.get('nonfinite_count'))} non-finite "
+                        f"tensors ({esc(names)}): do not resume from it. <code>patrol.restore(&quot;latest&quot;)"
+                        f"</code> passes over it" + (f" and takes <code>{esc(good)}</code>." if good else
+                                                     "; no finite checkpoint exists."), "bad"))
     if inc.cause_inferred:
         out.append(note(esc(inc.cause_inferred), "warn"))
     if inc.findings:
@@ -61,6 +69,20 @@ def happened(bundle: Bundle, inc: Incident) -> str:
         out.append("<h3>Outcome on each rank</h3>" + table(("rank", "outcome", "detail", "checkpoint"), rows))
     out.append(_versions(bundle))
     return "".join(out)
+
+
+def _checkpoint_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    facts = []
+    if manifest.get("finite") is not None:
+        facts.append(("Checkpoint state", "finite" if manifest["finite"] else
+                      '<span class="bad-text">non-finite: do not resume from it</span>'))
+    if manifest.get("last_good_checkpoint"):
+        facts.append(("Last good checkpoint", f"<code>{esc(manifest['last_good_checkpoint'])}</code> "
+                      "(what <code>patrol.restore(&quot;latest&quot;)</code> takes)"))
+    if manifest.get("best_checkpoint"):
+        facts.append(("Best validation checkpoint", f"<code>{esc(manifest['best_checkpoint'])}</code> (validation "
+                      f"loss {esc(manifest.get('best_validation_loss'))})"))
+    return facts
 
 
 def _steps(steps: list[int]) -> str:
