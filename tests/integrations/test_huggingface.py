@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -239,3 +240,67 @@ def test_without_a_model_loss_steps_still_count(tmp_path: Path, agent_url: str) 
     assert patrol is not None and patrol.step_count == trainer.state.global_step == 6
     assert [patrol.history.get(s) is not None for s in range(1, 7)] == [False, False, True, False, False, True]
     assert patrol.history.get(6).loss == logs[6]["loss"]  # type: ignore[union-attr]
+
+
+def nan_loss_from(trainer: Any, first: int, last: int) -> Any:
+    """A forward hook that makes the training loss NaN on steps ``first``..``last`` (1-based)."""
+
+    def hook(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+        step = trainer.state.global_step + 1
+        if module.training and first <= step <= last:
+            output["loss"] = output["loss"] * float("nan")
+        return output
+
+    return trainer.model.register_forward_hook(hook, with_kwargs=True)
+
+
+def train_in_thread(trainer: Any) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.train()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def test_a_nan_step_pauses_with_finite_weights_and_a_finite_checkpoint(tmp_path: Path, agent_url: str) -> None:
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "hf-nan-pause"))
+    out = tmp_path / "out"
+    trainer = make_trainer(out, [cb], max_steps=40)
+    nan_loss_from(trainer, 10, 10)
+    thread, errors = train_in_thread(trainer)
+    wait_for(lambda: cb.patrol is not None and cb.patrol.state == "paused", 60, what="paused by the guard")
+    assert cb.patrol is not None
+    pause = next(a for a in cb.patrol.actions if a.action == "pause")
+    assert pause.step == 10
+    assert json.loads((Path(pause.checkpoint) / "meta.json").read_text())["finite"] is True
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    cb.patrol.request("stop", "end")
+    thread.join(60)
+    assert [type(e) for e in errors] == [SystemExit] and errors[0].args == (STOP_EXIT_CODE,)
+    hf = torch.load(out / "checkpoint-10" / "optimizer.pt", weights_only=False)
+    assert all(torch.isfinite(v).all() for s in hf["state"].values() for v in s.values() if v.is_floating_point())
+
+
+def test_a_resumed_run_that_is_still_nan_pauses_again(tmp_path: Path, agent_url: str) -> None:
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "hf-sick"))
+    trainer = make_trainer(tmp_path / "out", [cb], max_steps=60)
+    nan_loss_from(trainer, 10, 10**6)  # every step from 10 on: the fault persists
+    thread, errors = train_in_thread(trainer)
+    wait_for(lambda: cb.patrol is not None and cb.patrol.state == "paused", 60, what="first pause")
+    assert cb.patrol is not None
+    for expected in (11, 12):
+        cb.patrol.request("resume", "a person")
+        wait_for(lambda at=expected: [a.step for a in cb.patrol.actions if a.action == "pause"][-1:] == [at],  # type: ignore[union-attr]
+                 60, what=f"pause again at step {expected}")
+    cb.patrol.request("stop", "end")
+    thread.join(60)
+    assert [type(e) for e in errors] == [SystemExit]
+    assert [(a.action, a.step) for a in cb.patrol.actions] == [
+        ("pause", 10), ("resume", 10), ("pause", 11), ("resume", 11), ("pause", 12), ("stop", 12)]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
