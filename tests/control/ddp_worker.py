@@ -56,7 +56,7 @@ def main() -> int:
             patrol.request("stop", f"test stop at {stop_at}")
 
     try:
-        if os.environ.get("LOOP") == "plain":  # a shuffled DataLoader iterated directly: no patrol.loader, no boundary()
+        if os.environ.get("LOOP") == "plain":  # a shuffled DataLoader iterated directly: no patrol.loader or boundary()
             data = torch.utils.data.TensorDataset(torch.randn(4096, dim, generator=torch.Generator().manual_seed(rank)))
             while not max_steps or patrol.step_count < max_steps:
                 for (x,) in torch.utils.data.DataLoader(data, batch_size=8, shuffle=True):

@@ -60,7 +60,7 @@ def test_a_nan_loss_with_a_finite_grad_norm_pauses_by_the_loss_guard_alone(tmp_p
                 p.boundary()
                 p.step(torch.tensor(float("nan") if i == 9 else 1.0), grad_norm=gn)
 
-        t = threading.Thread(target=lambda lp=loop: result.append(run_until_stopped(lp)), daemon=True)
+        t = threading.Thread(target=lambda lp=loop, r=result: r.append(run_until_stopped(lp)), daemon=True)
         t.start()
         wait_for(lambda p=patrol: p.state == "paused", 30, what="paused by nonfinite_loss")
         assert patrol.step_count == 10

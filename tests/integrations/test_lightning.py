@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from framework_helpers import exposed, patrol_config
 
 from servers import free_port, http_json, python_env, wait_for
@@ -170,3 +171,69 @@ def test_checkpoint_action_writes_a_lightning_checkpoint(tmp_path: Path, agent_u
     assert [(a.action, a.step, a.outcome) for a in cb.patrol.actions] == [("checkpoint", 3, "ok")]
     assert Path(cb.last_trainer_checkpoint) == tmp_path / "checkpoints" / "trainpatrol-checkpoint-step=3.ckpt"
     assert Path(cb.last_trainer_checkpoint).is_file()
+
+
+def shuffled(n: int = 64) -> Any:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8,
+                                       shuffle=True)
+
+
+@pytest.mark.parametrize("stop_at", [5, 11], ids=["first-epoch", "second-epoch"])
+def test_a_stopped_fit_resumes_a_shuffled_loader_mid_epoch_exactly(tmp_path: Path, agent_url: str,
+                                                                   stop_at: int) -> None:
+    torch.manual_seed(5)
+    ref_cb = TrainPatrolCallback(patrol_config(tmp_path / "ref", agent_url, "pl-exact-ref"))
+    reference = Tiny()
+    trainer(tmp_path / "ref", [ref_cb], max_steps=20).fit(reference, train_dataloaders=ref_cb.loader(shuffled()))
+
+    torch.manual_seed(5)
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-exact"))
+    module = Tiny()
+    with pytest.raises(SystemExit):
+        trainer(tmp_path / "run", [cb, RequestAt(cb, stop_at, "stop")], max_steps=20).fit(
+            module, train_dataloaders=cb.loader(shuffled()))
+    assert module.losses == reference.losses[:stop_at]
+
+    torch.manual_seed(99)  # a new process: the checkpoint must bring back the RNG and the loader's order
+    resumed_cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-exact"))
+    resumed = Tiny()
+    trainer(tmp_path / "run", [resumed_cb], max_steps=20).fit(
+        resumed, train_dataloaders=resumed_cb.loader(shuffled()), ckpt_path=cb.last_trainer_checkpoint)
+    assert resumed.losses == reference.losses[stop_at + 1:]  # exact float equality
+
+
+class NanAt(Tiny):
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.nan_step = step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step + 1 == self.nan_step else loss
+
+
+def test_a_nan_step_pauses_with_finite_weights_and_a_finite_checkpoint(tmp_path: Path, agent_url: str) -> None:
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-nan"))
+    module = NanAt(6)
+    t = trainer(tmp_path, [cb], max_steps=40)
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            t.fit(module, train_dataloaders=data(n=512))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    wait_for(lambda: cb.patrol is not None and cb.patrol.state == "paused", 30, what="paused by the guard")
+    assert cb.patrol is not None
+    pause = next(a for a in cb.patrol.actions if a.action == "pause")
+    assert pause.step == 6
+    assert json.loads((Path(pause.checkpoint) / "meta.json").read_text())["finite"] is True
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    cb.patrol.request("stop", "end")
+    thread.join(30)
+    assert [type(e) for e in errors] == [SystemExit]

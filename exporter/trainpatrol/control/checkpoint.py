@@ -66,7 +66,9 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        # plain lists load with torch.load(weights_only=True), as Lightning loads its checkpoints
+        state["numpy"] = (name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(gauss))
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -80,7 +82,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -218,7 +221,7 @@ class Checkpointer:
     def latest_finite(self) -> tuple[Path | None, list[str]]:
         """The newest complete checkpoint whose state is finite (or was written before that was recorded),
         and why each newer one was passed over."""
-        skipped = []
+        skipped: list[str] = []
         for path in reversed(self.complete()):
             meta = read_meta(path)
             if meta.get("finite", True) is not False:

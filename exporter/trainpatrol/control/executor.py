@@ -223,7 +223,9 @@ class Executor:
             target, skipped = p.checkpointer.latest_finite()
             if target is None:
                 why = (f"nothing to restore: no complete checkpoint with finite state under "
-                       f"{str(p.checkpointer.directory)!r}" + (f" (passed over {'; '.join(skipped)})" if skipped else ""))
+                       f"{str(p.checkpointer.directory)!r}")
+                if skipped:
+                    why += f" (passed over {'; '.join(skipped)})"
                 log.warning("trainpatrol: %s; starting fresh", why)
                 return ckpt.Restored(reason=why, skipped=tuple(skipped))
             reason = "the newest checkpoint with finite state" if skipped else "the newest checkpoint"

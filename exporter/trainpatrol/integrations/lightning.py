@@ -17,6 +17,11 @@ Actions: ``checkpoint`` writes Patrol's checkpoint and ``trainer.save_checkpoint
 (DDP ranks wait outside any collective); ``stop`` checkpoints both ways and raises ``SystemExit(86)``
 (``trainpatrol.STOP_EXIT_CODE``): resume with ``trainer.fit(model, ckpt_path=...)``.
 
+Exact resume: pass ``train_dataloaders=callback.loader(dataloader)``. Lightning then saves the loader's
+position and RNG in its checkpoint and ``fit(ckpt_path=...)`` continues a shuffled loader mid-epoch bit for
+bit (a plain DataLoader restarts its epoch in a new order). Lightning does not add a DistributedSampler to
+the wrapped loader: under DDP give it one yourself.
+
 Under DDP, pass a config (not a Patrol built before ``fit``): the Patrol is built in ``on_train_start``,
 once ``torch.distributed`` is up, so its coordinator makes every rank act at the same step.
 """
@@ -37,6 +42,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from ..control.actions import STOP_EXIT_CODE
 from ..probe import device_values as dv
 from ..probe.config import PatrolConfig
+from ..probe.loader import TimedLoader
 from ..probe.patrol import Patrol
 from ._common import check_accum, new_actions
 
@@ -75,6 +81,12 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
         self._learning_rates: list[float] = []
         self._warned_no_loss = False
         self._last_hook = time.perf_counter()
+        self._loader: TimedLoader[Any] | None = None
+
+    def loader(self, dataloader: Any) -> TimedLoader[Any]:
+        """``dataloader`` as a resumable loader: its position and RNG go into Lightning's checkpoints."""
+        self._loader = TimedLoader(dataloader)
+        return self._loader
 
     # --- hooks -------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -117,6 +129,8 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
         if self._grad_norm_step != trainer.global_step:
             self._grad_norm_step = trainer.global_step
             self._grad_norm = dv.total_grad_norm(pl_module.parameters())
+            if self.patrol is not None:  # Lightning's closure ran backward inside optimizer.step(): judge it now
+                self.patrol.judge_update(self._grad_norm)
             self._learning_rates = [float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups
                                     if isinstance(g.get("lr"), float | int)]
 
@@ -128,6 +142,8 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
             loss = loss.detach()
             self._loss = loss if self._loss is None else self._loss + loss
         self._micro += 1
+        if self._loader is not None:  # Lightning fetches a batch ahead: what was trained is the position to save
+            self._loader.trained = batch_idx + 1
         samples, tokens = _batch_size(batch)
         self._samples += samples
         self._tokens += tokens

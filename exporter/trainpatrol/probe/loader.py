@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..control.checkpoint import rng_state, set_rng_state
+
 log = logging.getLogger("trainpatrol")
 
 T = TypeVar("T")
@@ -123,26 +125,35 @@ class LoaderTracker:
         resume, self.resume_at = self.resume_at, None
         if resume is None:
             self.position = LoaderPosition(self.position.epoch + 1, 0, epoch_rng(loader))
-            return iter(loader)
+            return iter(loader)  # type: ignore[no-any-return]
         at, restore_rng = resume
         set_epoch_rng(loader, at.rng)
         self.position = LoaderPosition(at.epoch, at.batches, at.rng)
-        it = iter(loader)
+        it: Iterator[Any] = iter(loader)
         fast_forward(it, loader, at.batches)
         restore_rng()
         log.warning("trainpatrol: data loader resumed at epoch %d after %d batches", at.epoch, at.batches)
         return it
 
 
-class TimedLoader(Iterable[T]):
-    """Iterates ``loader``; calls ``boundary()`` before each fetch, reports each fetch's wait, keeps the position."""
+def _nothing() -> None:
+    pass
 
-    def __init__(self, loader: Iterable[T], boundary: Callable[[], None], waited: Callable[[float], None],
-                 tracker: LoaderTracker | None = None) -> None:
+
+class TimedLoader(Iterable[T]):
+    """Iterates ``loader``; calls ``boundary()`` before each fetch, reports each fetch's wait, keeps the position.
+
+    ``state_dict``/``load_state_dict`` make it a resumable loader for frameworks that save one (Lightning)."""
+
+    def __init__(self, loader: Iterable[T], boundary: Callable[[], None] = _nothing,
+                 waited: Callable[[float], None] | None = None, tracker: LoaderTracker | None = None) -> None:
         self._loader = loader
         self._boundary = boundary
         self._waited = waited
         self._tracker = tracker or LoaderTracker()
+        self.trained: int | None = None
+        """Batches of the current epoch already trained on, when a framework fetches ahead of training (set by
+        its callback); ``state_dict`` then saves this position instead of the batches handed out."""
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
@@ -150,6 +161,7 @@ class TimedLoader(Iterable[T]):
     def __iter__(self) -> Iterator[T]:
         it = self._tracker.start_epoch(self._loader)
         position = self._tracker.position
+        self.trained = None
         while True:
             self._boundary()
             start = time.perf_counter()
@@ -157,6 +169,18 @@ class TimedLoader(Iterable[T]):
                 batch = next(it)
             except StopIteration:
                 return
-            self._waited(time.perf_counter() - start)
+            if self._waited is not None:
+                self._waited(time.perf_counter() - start)
             position.batches += 1
             yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and the RNG now (torch's, Python's, NumPy's, CUDA's): what an exact resume needs."""
+        state = self._tracker.state() or {"epoch": 0, "batches": 0, "rng": epoch_rng(self._loader)}
+        if self.trained is not None:
+            state["batches"] = self.trained
+        return {**state, "rng_now": rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` when the next epoch's iterator starts."""
+        self._tracker.restore(state, lambda: set_rng_state(state["rng_now"]))

@@ -247,7 +247,8 @@ class Patrol:
 
     def _cannot_act(self) -> None:
         action = next(iter(self.take_pending().values()))
-        raise RuntimeError(f"trainpatrol: `{action['action']}` was requested ({action['reason']}), but this loop has no "
+        raise RuntimeError(f"trainpatrol: `{action['action']}` was requested ({action['reason']}), but this loop has "
+                           "no "
                            "step boundary where Patrol can act: iterate batches through `patrol.loader(...)`, pass "
                            "`optimizer=` to Patrol, or call `patrol.boundary()` between steps.")
 
@@ -443,6 +444,12 @@ class Patrol:
         self._boundary_driven = self._framework = True
         if self._hooks is not None:
             self._hooks.judge_from_grads = True
+
+    def judge_update(self, grad_norm: torch.Tensor | None) -> None:
+        """For frameworks whose ``optimizer.step()`` runs a closure (forward and backward) before updating:
+        call after backward, inside the step; a non-finite ``grad_norm`` skips this update."""
+        if self._hooks is not None and grad_norm is not None:
+            self._hooks.decide(torch.isfinite(grad_norm))
 
     def _after_optimizer_step(self) -> None:
         if not self._boundary_driven:

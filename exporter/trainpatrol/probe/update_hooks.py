@@ -76,17 +76,22 @@ class UpdateHooks:
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _take_ok(self) -> torch.Tensor | bool:
+    def _take_ok(self) -> torch.Tensor | bool | None:
         ok, self._ok = self._ok, None
         if ok is None:  # Patrol.step did not judge this step (a framework that steps first): the grads tell
-            norm = dv.total_grad_norm(self._params())
-            ok = True if norm is None else torch.isfinite(norm)
+            norm = dv.total_grad_norm(self._params())  # type: ignore[arg-type]
+            ok = None if norm is None else torch.isfinite(norm)  # None: no grads yet (a closure computes them)
         return ok
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.mode == "off":
-            return
-        ok = self._take_ok()
+        if self.mode != "off":
+            ok = self._take_ok()
+            if ok is not None:
+                self.decide(ok)
+
+    def decide(self, ok: torch.Tensor | bool) -> None:
+        """Skip the update being applied now if ``ok`` is false: from the pre-hook, or from inside ``step()``
+        after a closure's backward (Lightning's ``on_before_optimizer_step``), before the update runs."""
         if self.mode == "hide_grads":
             if not bool(ok):  # on the CPU a read is free
                 self.skipped += 1
@@ -94,6 +99,9 @@ class UpdateHooks:
                 for p, _ in self._hidden:
                     p.grad = None
             return
+        if self.mode != "found_inf":
+            return
+        optimizer = self.optimizer
         params = self._params()
         device = params[0].device if params else torch.device("cpu")
         if isinstance(ok, torch.Tensor):
@@ -101,8 +109,9 @@ class UpdateHooks:
         else:
             bad = torch.full((), 0.0 if ok else 1.0, dtype=torch.float32, device=device)
         existing = getattr(optimizer, "found_inf", None)
-        self._saved_found_inf = getattr(optimizer, "found_inf", _ABSENT)
-        self._set_found_inf = True
+        if not self._set_found_inf:
+            self._saved_found_inf = getattr(optimizer, "found_inf", _ABSENT)
+            self._set_found_inf = True
         # the kernels skip only on exactly 1.0 and subtract the flag from the step counts: keep it 0 or 1
         optimizer.found_inf = bad if existing is None else torch.maximum(existing, bad.to(existing.device))  # type: ignore[attr-defined]
 
