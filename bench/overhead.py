@@ -109,7 +109,8 @@ CASES = {
                                                        nn.GELU(), nn.Linear(512, 1)).to(d), _mlp_batch, False,
                     reps=201, steps=20),
 }
-VARIANTS = ["bare", "patrol", "naive", "bare_again"]
+VARIANTS = ["bare", "patrol", "patrol_no_skip", "naive", "bare_again"]
+"""``patrol_no_skip``: Patrol with ``skip_nonfinite_updates=False``, so the skip's own cost is the difference."""
 
 
 def _loss(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -133,7 +134,7 @@ def run_variant(variant: str, model: nn.Module, opt: torch.optim.Optimizer, case
         loss = _loss(model, case, x, y)
         loss.backward()
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if variant == "patrol":
+        if variant.startswith("patrol"):
             assert patrol is not None
             patrol.step(loss, grad_norm=total, batch_size=x.shape[0])
         elif variant == "naive":
@@ -176,26 +177,38 @@ def bench_case(case: Case, device: torch.device, quick: bool, agent_url: str, dd
     cfg = PatrolConfig(run=f"bench-{case.name}", agent_url=agent_url, embedded_agent=False,
                        checkpoint_dir="/tmp/trainpatrol-bench/ckpt", evidence_dir="/tmp/trainpatrol-bench/ev",
                        push_interval_seconds=push_interval)
-    patrol = Patrol(model=model, optimizer=opt, config=cfg)
-    run_variant("bare", model, opt, case, batches, warmup, None, device)
-    run_variant("patrol", model, opt, case, batches, warmup, patrol, device)
+    patrol = Patrol(model=model, config=cfg)
+
+    def timed(variant: str, n: int) -> float:
+        # Patrol's optimizer hooks exist only while a Patrol variant runs, so the others run bare
+        if variant.startswith("patrol"):
+            patrol.config.skip_nonfinite_updates = variant == "patrol"
+            patrol.optimizer = opt
+        try:
+            return run_variant(variant, model, opt, case, batches, n,
+                               patrol if variant.startswith("patrol") else None, device)
+        finally:
+            patrol.optimizer = None
+
+    for v in ("bare", "patrol", "patrol_no_skip"):
+        timed(v, warmup)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for rep in range(reps):
-        order = VARIANTS[rep % 4:] + VARIANTS[: rep % 4]
+        order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
         for v in order:
-            times[v].append(run_variant(v, model, opt, case, batches, steps, patrol if v == "patrol" else None,
-                                        device))
+            times[v].append(timed(v, steps))
     snap = patrol.snapshot()
     probe = next((s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_probe_overhead_ratio"), math.nan)
     patrol.close()
     med = {v: statistics.median(t) for v, t in times.items()}
     # paired per repetition: each repetition's variants ran back to back, so drift cancels
     paired = {v: statistics.median(100 * (t / b - 1) for t, b in zip(times[v], times["bare"], strict=True))
-              for v in ("patrol", "naive", "bare_again")}
+              for v in VARIANTS[1:]}
     return {
         "case": case.name, "reps": reps, "steps_per_rep": steps,
         "step_ms": {v: round(m * 1e3, 4) for v, m in med.items()},
-        "overhead_pct": {v: round(100 * (med[v] / med["bare"] - 1), 3) for v in ("patrol", "naive", "bare_again")},
+        "overhead_pct": {v: round(100 * (med[v] / med["bare"] - 1), 3) for v in VARIANTS[1:]},
+        "skip_mode": "found_inf" if fused else "hide_grads",
         "overhead_pct_paired_median": {v: round(p, 3) for v, p in paired.items()},
         "patrol_self_reported_overhead_ratio": probe,
         "pushes_delivered": patrol.publisher.delivered,

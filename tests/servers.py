@@ -113,17 +113,19 @@ def serving(cmd: list[str], log: Path, port: int, ready_path: str, timeout: floa
 
 
 @contextmanager
-def agent_in_thread(app: Any, port: int | None = None) -> Iterator[int]:
+def agent_in_thread(app: Any, port: int | None = None, keep_alive: float = 5.0) -> Iterator[int]:
     """uvicorn serving ``app`` (an in-process ``Agent.app``) on 127.0.0.1 from a thread; yields its port.
 
-    For tests that drive a real HTTP server and look at the same ``Agent`` object."""
+    For tests that drive a real HTTP server and look at the same ``Agent`` object. ``keep_alive``:
+    seconds after which the server closes an idle kept-alive connection (uvicorn's default is 5)."""
     import threading
 
     import uvicorn
 
     port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
+                                           timeout_graceful_shutdown=1,
+                                           timeout_keep_alive=keep_alive))  # type: ignore[arg-type]
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

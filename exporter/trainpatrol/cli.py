@@ -149,17 +149,33 @@ def _call(args: argparse.Namespace, path: str, body: Any = None) -> Any:
 
 
 def _action(args: argparse.Namespace) -> int:
+    """Queues the action for the run's live ranks. Exits 1 with one line on stderr when the agent
+    refuses (``no live rank of run RUN on this agent`` when no rank of the run could carry it out)
+    or cannot be reached."""
     try:
         reply = _call(args, f"/v1/runs/{args.run}/actions", {"action": args.action, "reason": args.reason})
     except urllib.error.HTTPError as exc:
-        print(f"trainpatrol {args.action}: agent answered {exc.code}: {exc.read().decode()}", file=sys.stderr)
+        body = exc.read().decode("utf-8", "replace")
+        if exc.code in (404, 409):
+            print(_detail(body) or f"no live rank of run {args.run} on this agent", file=sys.stderr)
+        else:
+            print(f"trainpatrol {args.action}: agent answered {exc.code}: {body}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"trainpatrol {args.action}: cannot reach agent {args.agent}: {exc}", file=sys.stderr)
         return 1
-    hosted = "" if reply.get("hosted") else " (no rank of this run has pushed to this agent yet)"
-    print(f"{args.action} queued for run {args.run} (id {reply['id']}){hosted}")
+    live = int(reply.get("live_ranks", 0))
+    print(f"{args.action} queued for run {args.run} (id {reply['id']}; {live} live rank{'' if live == 1 else 's'})")
     return 0
+
+
+def _detail(body: str) -> str:
+    """The ``detail`` of an agent's error answer when it is one line, else ""."""
+    try:
+        detail = json.loads(body).get("detail")
+    except (ValueError, AttributeError):
+        return ""
+    return detail if isinstance(detail, str) and detail and "\n" not in detail else ""
 
 
 def _status(args: argparse.Namespace) -> int:

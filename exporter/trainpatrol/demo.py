@@ -42,7 +42,9 @@ STACK_NOTES = {
            "TrainPatrolNonFiniteLoss alert arrives while it is paused.",
 }
 GRAD_SPIKE_STEPS = 30
-"""A gradient explosion lasts this many steps, then the loss scale returns to normal (a transient burst)."""
+"""A gradient explosion lasts this many steps, then the loss scale returns to normal (a transient burst). It
+ends sooner if the run pauses: the demo's operator fixes the cause before resuming, since a fault that
+persists after a resume pauses the run again."""
 
 
 class SimulatedAllocator:
@@ -299,7 +301,8 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
                     print(f"[demo] step {step}: injecting {fault}", flush=True)
                 if fault == "nan" and step == fault_step:
                     loss = loss * math.nan
-                if fault == "grad_spike" and fault_step <= step < fault_step + GRAD_SPIKE_STEPS:
+                if fault == "grad_spike" and fault_step <= step < fault_step + GRAD_SPIKE_STEPS and \
+                        not any(a.action == "pause" for a in patrol.actions):
                     loss = loss * 1e4
                 if allocator is not None and fault == "fragmentation" and step == fault_step:
                     allocator.fragmented = True

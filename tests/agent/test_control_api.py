@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from fake_clock import T0, Clock
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig, ConfigError
 
@@ -192,3 +193,41 @@ def test_openapi_documents_the_control_surface() -> None:
     for path in ("/v1/push", "/v1/runs", "/v1/runs/{run}", "/v1/runs/{run}/actions", "/v1/alertmanager",
                  "/metrics", "/healthz"):
         assert path in paths
+
+
+def test_an_action_for_a_run_with_a_live_rank_is_accepted_and_says_how_many_are_live() -> None:
+    agent, client = make_agent()
+    push(client, rank=0)
+    push(client, rank=1, state="paused")  # paused ranks push on, and hear their commands: live
+    push(client, rank=2, world_size=3, state="closed")
+    r = client.post("/v1/runs/r1/actions", json={"action": "checkpoint", "reason": "test"}, headers=AUTH)
+    assert r.status_code == 202
+    body = r.json()
+    assert body["accepted"] is True and body["live"] is True and body["live_ranks"] == 2, body
+    assert [c.id for c in agent.store.pending("r1")] == [body["id"]]
+
+
+@pytest.mark.parametrize("ranks, status", [
+    ((), 404),  # no rank of the run ever pushed here
+    (("closed", "closed"), 409),
+    (("stopped", "closed"), 409),
+    (("running", "running"), 409),  # both pushed last longer ago than the liveness TTL: down
+    (("closed", "running"), 409),
+], ids=["unknown", "closed", "stopped", "down", "closed-and-down"])
+@pytest.mark.parametrize("action", ["pause", "resume", "checkpoint", "stop"])
+def test_an_action_for_a_run_no_live_rank_serves_is_refused_and_nothing_queued(
+        ranks: tuple[str, ...], status: int, action: str) -> None:
+    clock = Clock(T0)
+    agent = Agent(AgentConfig(token=TOKEN, nvml=False, rank_up_ttl_seconds=15.0).load(), clock=clock)
+    client = TestClient(agent.app)
+    for rank, state in enumerate(ranks):
+        assert push(client, "ended", rank, state=state).status_code == 200
+    clock.now = T0 + 16  # past the liveness TTL: a rank still "running" by its last push is down
+    r = client.post("/v1/runs/ended/actions", json={"action": action}, headers=AUTH)
+    assert r.status_code == status, r.text
+    assert r.json()["detail"] == "no live rank of run ended on this agent"
+    assert r.json()["live"] is False and r.json()["live_ranks"] == 0
+    assert agent.store.pending("ended") == [] and agent.stats.commands == {}
+    # the refusals are documented
+    responses = client.get("/openapi.json").json()["paths"]["/v1/runs/{run}/actions"]["post"]["responses"]
+    assert {"202", "404", "409"} <= set(responses)

@@ -242,6 +242,21 @@ def test_a_run_whose_ranks_all_stopped_pushing_is_down() -> None:
     assert [(r["rank"], r["state"], r["up"]) for r in status["ranks"]] == [(0, "down", False), (1, "down", False)]
 
 
+def test_a_rank_that_ended_on_purpose_is_shown_ended_after_its_ttl_never_down() -> None:
+    """A rank whose last push said ``closed`` (a normal exit) or ``stopped`` (the stop action) pushes
+    no more, by design: past the liveness TTL it is still shown as it ended, not ``down``."""
+    clock = Clock(T0)
+    store, registry = store_and_registry(clock)
+    store.push(snap("done", 0, step=9, state="closed"))
+    store.push(snap("halted", 0, step=4, state="stopped"))
+    store.push(snap("gone", 0, step=3))
+    clock.now = T0 + UP_TTL + 1
+    runs = store.runs()
+    assert {run: (s["state"], [r["state"] for r in s["ranks"]]) for run, s in runs.items()} == {
+        "done": ("closed", ["closed"]), "halted": ("stopped", ["stopped"]), "gone": ("down", ["down"])}
+    assert [liveness(registry, run)[0] for run in ("done", "halted", "gone")] == [0.0, 0.0, 0.0]
+
+
 def test_command_queues_expire_with_their_ttl() -> None:
     from trainpatrol.agent.store import COMMAND_TTL_SECONDS
     from trainpatrol.protocol import Command

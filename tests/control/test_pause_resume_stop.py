@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 
 from servers import agent, holds_for, http_json, wait_for
 from trainpatrol import STOP_EXIT_CODE, Patrol, PatrolConfig
-from trainpatrol.control.checkpoint import Checkpointer
+from trainpatrol.control.checkpoint import Checkpointer, temp_path
 
 
 def make(tmp: Path, url: str, run: str, seed: int = 0, **cfg: Any) -> tuple[Patrol, torch.nn.Module]:
@@ -136,7 +135,7 @@ def test_failed_checkpoint_keeps_previous_and_stays_paused(tmp_path: Path) -> No
         # the next save goes to a full disk: its temp file is a link to /dev/full (ENOSPC)
         target = tmp_path / "ckpt" / "step-00000006"
         target.mkdir(parents=True)
-        (target / f".state.pt.tmp-{os.getpid()}").symlink_to("/dev/full")
+        temp_path(target / "state.pt").symlink_to("/dev/full")
         patrol.request("checkpoint", "second, disk full")
         result: list[int | None] = []
         t = threading.Thread(target=lambda: result.append(train(patrol, model, 10, losses)), daemon=True)

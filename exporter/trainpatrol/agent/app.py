@@ -1,7 +1,9 @@
 """The agent's HTTP surface: /metrics, pushes, the control API and the Alertmanager webhook.
 
 Every control request answers at once (202) and acts asynchronously: commands wait in the store
-and reach the ranks in the replies to their next push.
+and reach the ranks in the replies to their next push. A command no rank could carry out is
+refused instead: 404 for a run no rank of which ever pushed here, 409 for a run whose ranks all
+closed, stopped or went down ("no live rank of run RUN on this agent"); nothing is queued then.
 """
 
 from __future__ import annotations
@@ -44,9 +46,41 @@ class Problem(BaseModel):
     errors: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class ActionAccepted(BaseModel):
+    """The answer to an action: queued for the run's live ranks, who hear it with their next push."""
+
+    accepted: bool
+    id: int
+    run: str
+    action: str
+    hosted: bool
+    """Some rank of the run has pushed to this agent (always true when accepted)."""
+    live: bool
+    """Some rank of the run is live: it pushed within the liveness TTL and neither closed nor stopped."""
+    live_ranks: int
+
+
+class NoLiveRank(Problem):
+    """404 or 409 from the actions route: no rank of the run could carry the command out."""
+
+    run: str
+    live: bool = False
+    live_ranks: int = 0
+    state: str
+    """The run's state on this agent (``unknown`` when no rank of it pushed here)."""
+
+
 _PROBLEMS = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or wrong",
              403: "Action not in the allow-list", 404: "Unknown run", 413: "Request body too large",
              422: "Malformed request"}
+_NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
+    404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
+    409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
+
+
+def no_live_rank(run: str) -> str:
+    """The refusal of a command that no rank of ``run`` could carry out (the CLI prints it as it is)."""
+    return f"no live rank of run {run} on this agent"
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -200,8 +234,8 @@ class Agent:
             return status
 
         @app.post("/v1/runs/{run}/actions", status_code=202, summary="Ask every rank of a run to act",
-                  responses=_errors(400, 401, 403, 413, 422))
-        def act(request: Request, run: str, body: ActionRequest) -> dict[str, Any]:
+                  response_model=ActionAccepted, responses={**_errors(400, 401, 403, 413, 422), **_NO_LIVE_RANK})
+        def act(request: Request, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
             require_control(request, cfg.token)
             import re
 
@@ -210,11 +244,17 @@ class Agent:
             if body.action != "resume" and body.action not in cfg.allowed_actions:
                 raise HTTPException(403, f"Action {body.action!r} is not in the allow-list "
                                          f"({', '.join(cfg.allowed_actions)}).")
+            live = self.store.live_ranks(run)
+            if not live:  # a queued command would wait for a rank that never comes: say so
+                state = self.store.run_status(run)["state"] if self.store.hosts_run(run) else "unknown"
+                refusal = NoLiveRank(detail=no_live_rank(run), run=run, state=state)
+                return JSONResponse(refusal.model_dump(exclude={"errors"}),
+                                    status_code=404 if state == "unknown" else 409)
             command = Command(id=secrets.randbelow(2**31 - 2) + 1, run=run, action=body.action,
                               reason=body.reason, source="api", created=self.clock())
             self.enqueue(command)
-            return {"accepted": True, "id": command.id, "run": run, "action": body.action,
-                    "hosted": self.store.hosts_run(run)}
+            return ActionAccepted(accepted=True, id=command.id, run=run, action=body.action, hosted=True,
+                                  live=True, live_ranks=live)
 
         @app.post("/v1/alertmanager", status_code=202, summary="Alertmanager webhook (payload version 4)",
                   responses=_errors(400, 401, 403, 413, 422))

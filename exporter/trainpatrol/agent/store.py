@@ -11,6 +11,8 @@ from typing import Any
 from ..protocol import ActionRecord, Command, RankSnapshot
 
 COMMAND_TTL_SECONDS = 3600.0
+ENDED_STATES = ("closed", "stopped")
+"""States a rank reports last, on purpose: it pushes no more, and it is never shown ``down``."""
 
 
 @dataclass
@@ -124,6 +126,14 @@ class RankStore:
     def is_up(self, entry: RankEntry) -> bool:
         return entry.snapshot.state != "closed" and self._clock() - entry.last_push <= self.rank_up_ttl
 
+    def is_live(self, entry: RankEntry) -> bool:
+        """The rank can still carry out a command: up, and neither closed nor stopped."""
+        return entry.snapshot.state not in ENDED_STATES and self.is_up(entry)
+
+    def live_ranks(self, run: str) -> int:
+        """How many ranks of ``run`` are live on this agent."""
+        return sum(1 for e in self.entries() if e.snapshot.run == run and self.is_live(e))
+
     def up(self, entries: tuple[RankEntry, ...]) -> list[bool]:
         """``is_up`` of each entry, at one reading of the clock. Every scrape asks for all of them:
         the last answer stands, as the very same list, until the oldest push of an up rank is
@@ -158,7 +168,7 @@ class RankStore:
 
     def run_status(self, run: str, ranks: list[RankEntry] | None = None) -> dict[str, Any]:
         ranks = ranks if ranks is not None else [e for e in self.entries() if e.snapshot.run == run]
-        states = [e.snapshot.state if self.is_up(e) or e.snapshot.state == "closed" else "down" for e in ranks]
+        states = [e.snapshot.state if self.is_up(e) or e.snapshot.state in ENDED_STATES else "down" for e in ranks]
         actions: list[ActionRecord] = sorted(
             (a for e in ranks for a in e.snapshot.actions), key=lambda a: (a.time, a.id)
         )

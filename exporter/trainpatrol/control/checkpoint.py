@@ -38,13 +38,14 @@ SaveFn = Callable[[Path, dict[str, Any]], None]
 default state; it must write atomically itself."""
 
 
-def _temp_suffix() -> str:
-    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+def temp_path(path: Path) -> Path:
+    """Where ``atomic_write`` writes ``path`` first: named by host and pid, so a dead writer's file is known."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """Write to a temporary file, fsync, rename; on any failure the temporary file is removed."""
-    tmp = path.with_name(f".{path.name}{_temp_suffix()}")
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
             write(f)

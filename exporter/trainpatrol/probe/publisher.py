@@ -2,9 +2,12 @@
 
 The periodic pushes travel on one kept-open stream (probe.push_stream), so each costs the agent one
 chunk rather than one HTTP request; an agent without the stream gets one ``POST /v1/push`` per push.
-``push_now`` (a state change, the final snapshot) is its own request, confirmed when it returns.
-Pushes are bounded in time, retried with backoff, and a dropped push is counted; the training loop
-never waits for the agent. Commands in the agent's replies are handed to ``on_commands`` as they arrive.
+``push_now`` (a state change, the final snapshot) is its own request, confirmed when it returns;
+its kept-alive connection idles between state changes, so on a connection error (the agent closed
+it, or restarted) the request is sent once more on a new connection, within ``timeout``, and the
+final "closed" push still arrives. Pushes are bounded in time, retried with backoff, and a dropped
+push is counted; the training loop never waits for the agent. Commands in the agent's replies are
+handed to ``on_commands`` as they arrive.
 
 Periodic pushes fall on whole multiples of the interval on the wall clock (``next_push_delay``), so
 the ranks of a node push in the same instant and their agent wakes once for all of them rather than
@@ -201,20 +204,36 @@ class Publisher:
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         with self._conn_lock:
-            # one kept-alive connection: a new TCP connection per push costs the agent more than the push
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            started = time.monotonic()
             try:
-                self._conn.request("POST", "/v1/push", body=body, headers=headers)
-                resp = self._conn.getresponse()
-                data = resp.read()
-            except (OSError, http.client.HTTPException):
-                self._conn.close()
-                self._conn = None
-                raise
-        if resp.status != 200:
-            raise RuntimeError(f"agent answered {resp.status}: {data[:300]!r}")
+                status, data = self._request(body, headers)
+            except (ConnectionError, http.client.HTTPException) as exc:
+                # The kept-alive connection went stale: the agent closed it while idle (uvicorn after
+                # 5 s; state-change pushes come minutes apart) or restarted. A push is a whole
+                # snapshot, so sending it again is harmless: once, on a new connection, while the
+                # first try has left time within ``timeout``. A timeout is not retried.
+                if time.monotonic() - started >= self._timeout:
+                    raise
+                log.debug("trainpatrol: push to agent %s:%d failed (%r); once more on a new connection",
+                          self._host, self._port, exc)
+                status, data = self._request(body, headers)
+        if status != 200:
+            raise RuntimeError(f"agent answered {status}: {data[:300]!r}")
         self._delivered()
         commands = json.loads(data).get("commands", [])
         if commands:
             self._on_commands(commands)
+
+    def _request(self, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        """One ``POST /v1/push`` on the kept-alive connection (a new TCP connection per push costs the
+        agent more than the push), opened if there is none; a connection that failed is dropped."""
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        try:
+            self._conn.request("POST", "/v1/push", body=body, headers=headers)
+            resp = self._conn.getresponse()
+            return resp.status, resp.read()
+        except (OSError, http.client.HTTPException):
+            self._conn.close()
+            self._conn = None
+            raise
