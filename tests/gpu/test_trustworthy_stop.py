@@ -156,7 +156,8 @@ def test_without_a_skip_the_poisoned_pause_checkpoint_is_passed_over_for_the_las
     losses: list[torch.Tensor] = []
     patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path))
     assert patrol._hooks is not None and patrol._hooks.mode == "off"
-    assert pause_then_stop(patrol, lambda: train(patrol, model, opt, 10**6, losses, checkpoint_at=101)) == STOP_EXIT_CODE
+    code = pause_then_stop(patrol, lambda: train(patrol, model, opt, 10**6, losses, checkpoint_at=101))
+    assert code == STOP_EXIT_CODE
     patrol.close()
     pause = next(a for a in patrol.actions if a.action == "pause")
     poisoned = Path(pause.checkpoint)
