@@ -146,6 +146,22 @@ def test_duplicate_alert_makes_one_command() -> None:
     assert done["commands"] == []
 
 
+def test_an_alert_that_resolves_and_fires_again_acts_again() -> None:
+    agent, client = make_agent()
+    push(client)
+    first = client.post("/v1/alertmanager", json=payload(alert()), headers=AUTH)
+    assert first.status_code == 202 and first.json()["results"][0]["outcome"] == "act"
+    [pause] = agent.store.pending("r1")
+    push(client, done_commands=[pause.id])  # the rank paused
+    resolved = client.post("/v1/alertmanager", json=payload(alert(status="resolved")), headers=AUTH)
+    assert resolved.json()["results"][0]["outcome"] == "resolved"
+    # the same alert (same fingerprint) fires again after a resume: Alertmanager gives it a new startsAt
+    again = client.post("/v1/alertmanager", json=payload(alert(starts="2026-11-30T00:05:00Z")), headers=AUTH)
+    assert again.status_code == 202 and again.json()["results"][0]["outcome"] == "act"
+    [second] = agent.store.pending("r1")
+    assert second.action == "pause" and second.id != pause.id
+
+
 def test_resolved_alert_resumes_nothing() -> None:
     agent, client = make_agent()
     push(client)
