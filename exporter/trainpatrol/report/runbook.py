@@ -19,12 +19,14 @@ BUILTIN = {
         "NaN on one rank only points at its batch: dump the sample ids of that step and look for bad data.",
         "NaN on all ranks after a grad-norm climb points at the optimisation: lower the learning rate, "
         "check warm-up, use bf16 rather than fp16 or keep GradScaler on.",
-        "Resume from the checkpoint the pause wrote once the cause is fixed; do not resume the poisoned weights.",
+        "Resume once the cause is fixed: the report says whether the pause checkpoint is finite; if not, "
+        "patrol.restore(\"latest\") takes the last good one it names.",
     ],
     "nonfinite_grad": [
         "A non-finite gradient with a finite loss is usually an fp16 overflow or a division by zero in a custom "
         "op or loss term: check the loss scale and any eps in normalisations.",
-        "Confirm whether the optimizer step ran at that step; if the weights took it, restore the checkpoint.",
+        "The checkpoint's state is finite when Patrol skipped the update (fused optimizer, or CPU); if the "
+        "report marks it non-finite, restart from the last good checkpoint it names.",
     ],
     "loss_spike": [
         "Compare the spike's step with the grad norm and the loader panel: a bad batch spikes one step, "
