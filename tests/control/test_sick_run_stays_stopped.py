@@ -69,3 +69,18 @@ def test_a_nan_loss_with_a_finite_grad_norm_pauses_by_the_loss_guard_alone(tmp_p
         t.join(30)
         assert result == [STOP_EXIT_CODE]
         patrol.close()
+
+
+def test_the_pause_report_says_what_a_resume_does_if_the_fault_persists(tmp_path: Path) -> None:
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "report"))
+    t = threading.Thread(target=lambda: run_until_stopped(lambda: sick_from(patrol, model, opt, 5)), daemon=True)
+    t.start()
+    wait_for(lambda: patrol.state == "paused", 30, what="pause")
+    patrol.request("stop", "end")
+    t.join(30)
+    pause = next(a for a in patrol.actions if a.action == "pause")
+    report = (Path(pause.evidence) / "report.html").read_text()
+    assert "if the fault persists, or comes back, they act again" in report
+    assert "<code>nonfinite_loss</code> → pause" in report
+    patrol.close()

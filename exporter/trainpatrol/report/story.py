@@ -85,6 +85,15 @@ def _checkpoint_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     return facts
 
 
+def _if_it_persists(bundle: Bundle) -> str:
+    acting = bundle.ranks[0].config.get("guard_actions") if bundle.ranks else None
+    if not isinstance(acting, dict) or not acting:
+        return "A resume re-arms the local guards; none of them acts in this run's configuration."
+    listed = ", ".join(f"<code>{esc(g)}</code> → {esc(a)}" for g, a in acting.items())
+    return ("A resume re-arms the local guards: if the fault persists, or comes back, they act again at its "
+            f"next step ({listed}), so a run that is still sick pauses again rather than training on.")
+
+
 def _steps(steps: list[int]) -> str:
     shown = ", ".join(str(s) for s in steps[:12])
     return shown + (f" … ({len(steps)} steps)" if len(steps) > 12 else "")
@@ -117,6 +126,7 @@ def next_steps(bundle: Bundle, inc: Incident, runbooks: Path | None) -> str:
                    f"(<code>trainpatrol status {run}</code> shows the state now). Once the cause is understood: "
                    f"<code>trainpatrol resume {run}</code> to go on, or <code>trainpatrol stop {run}</code> to end "
                    f"the run (exit code {STOP_EXIT_CODE}, which orchestrators should not restart).</p>")
+        out.append(f"<p>{_if_it_persists(bundle)}</p>")
     elif inc.action == "stop":
         out.append(f"<p>Every rank exited with code {STOP_EXIT_CODE}. To continue after a fix, start the job again "
                    f"and call <code>patrol.restore({'&quot;' + ckpt + '&quot;' if ckpt else '&quot;latest&quot;'})"
