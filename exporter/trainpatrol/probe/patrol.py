@@ -215,7 +215,7 @@ class Patrol:
             self._lrs = lrs
         if not self._on_cpu:
             if self._hooks is not None and self._hooks.mode != "off":
-                self._hooks.judge(_finite_on_device(mean_loss, grad_norm))
+                self._hooks.judge(self._hooks.flag(mean_loss, grad_norm))
             rec = self._step_device(mean_loss, grad_norm, scale)
             rec.probe_seconds = self._probe_since_step + (time.perf_counter() - start)
             self._probe_since_step = 0.0
@@ -234,7 +234,7 @@ class Patrol:
         rows.append(row)
         both = loss_f + gn_f
         if self._hooks is not None:
-            self._hooks.judge(both - both == 0)  # an absent norm is a finite -1
+            self._hooks.judge(both - both != 0)  # NaN/Inf in either; an absent norm is a finite -1
         # a non-finite value is folded in at once, so a guard's action comes at the next boundary
         if len(rows) >= self._host_batch or both - both != 0 or start >= self._memory_due:
             self._absorb_host(start >= self._memory_due)
@@ -449,7 +449,7 @@ class Patrol:
         """For frameworks whose ``optimizer.step()`` runs a closure (forward and backward) before updating:
         call after backward, inside the step; a non-finite ``grad_norm`` skips this update."""
         if self._hooks is not None and grad_norm is not None:
-            self._hooks.decide(torch.isfinite(grad_norm))
+            self._hooks.decide(self._hooks.flag(grad_norm))
 
     def _after_optimizer_step(self) -> None:
         if not self._boundary_driven:
@@ -552,15 +552,6 @@ class Patrol:
 
     def memory_reading(self) -> MemoryReading | None:
         return self.latest.memory
-
-
-def _finite_on_device(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
-    ok = torch.isfinite(loss.detach())
-    if isinstance(grad_norm, torch.Tensor):
-        ok = ok & torch.isfinite(grad_norm.detach()).to(ok.device)
-    elif grad_norm is not None and not math.isfinite(grad_norm):
-        ok = ok & False
-    return ok.reshape(())
 
 
 def _cumulative(counts: list[float]) -> list[float]:

@@ -14,6 +14,7 @@ writes is poisoned. How the update is skipped depends on the optimizer, never wi
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,8 @@ from . import device_values as dv
 
 log = logging.getLogger("trainpatrol")
 _ABSENT = object()
+Verdict = torch.Tensor | bool
+"""Whether to skip the update: a host bool, or a float32 device flag (1.0: skip) as fused kernels take."""
 
 
 def innermost(optimizer: Any) -> torch.optim.Optimizer:
@@ -42,8 +45,20 @@ def skip_mode(optimizer: torch.optim.Optimizer) -> str:
     return "off"
 
 
+def nonfinite_flag(value: torch.Tensor, extra: torch.Tensor | float | None, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (float32) = 1.0 if ``value`` or ``extra`` is NaN/Inf, else 0.0, in three kernels and no sync:
+    x * 0 is 0 for a finite x and NaN otherwise (Inf too), and nan_to_num turns that NaN into 1."""
+    x = value.detach()
+    if isinstance(extra, torch.Tensor):
+        x = x + extra.detach()
+    elif extra is not None and not math.isfinite(extra):
+        return out.fill_(1.0)
+    torch.mul(x, 0.0, out=out)
+    return out.nan_to_num_(nan=1.0)
+
+
 class UpdateHooks:
-    """Step pre- and post-hooks on ``optimizer``; ``judge`` hands over the closing step's finiteness."""
+    """Step pre- and post-hooks on ``optimizer``; ``judge`` hands over the closing step's verdict."""
 
     def __init__(self, optimizer: Any, *, skip: bool, after_step: Callable[[], None]) -> None:
         self.optimizer = innermost(optimizer)
@@ -55,7 +70,8 @@ class UpdateHooks:
         self._after_step = after_step
         self.judge_from_grads = False
         """Set when the loss is recorded only after the step (framework callbacks): ``judge`` is then ignored."""
-        self._ok: torch.Tensor | bool | None = None
+        self._verdict: Verdict | None = None
+        self._flag: torch.Tensor | None = None
         self._saved_found_inf: Any = _ABSENT
         self._set_found_inf = False
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -64,10 +80,17 @@ class UpdateHooks:
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
                          self.optimizer.register_step_post_hook(self._post)]
 
-    def judge(self, ok: torch.Tensor | bool) -> None:
-        """Whether the step about to be applied is finite: a device bool tensor, or a host bool on CPU."""
+    def flag(self, value: torch.Tensor, extra: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The device verdict for ``value`` (and ``extra``), in a buffer reused every step: the kernel that
+        reads it runs before the next step writes it, on the same stream."""
+        if self._flag is None or self._flag.device != value.device:
+            self._flag = torch.zeros((), dtype=torch.float32, device=value.device)
+        return nonfinite_flag(value, extra, self._flag)
+
+    def judge(self, skip: Verdict) -> None:
+        """The verdict on the step about to be applied (``Patrol.step``, before ``optimizer.step()``)."""
         if self.mode != "off" and not self.judge_from_grads:
-            self._ok = ok
+            self._verdict = skip
 
     def remove(self) -> None:
         for h in self._handles:
@@ -76,24 +99,24 @@ class UpdateHooks:
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _take_ok(self) -> torch.Tensor | bool | None:
-        ok, self._ok = self._ok, None
-        if ok is None:  # Patrol.step did not judge this step (a framework that steps first): the grads tell
+    def _take_verdict(self) -> Verdict | None:
+        verdict, self._verdict = self._verdict, None
+        if verdict is None:  # Patrol.step did not judge this step (a framework that steps first): the grads tell
             norm = dv.total_grad_norm(self._params())  # type: ignore[arg-type]
-            ok = None if norm is None else torch.isfinite(norm)  # None: no grads yet (a closure computes them)
-        return ok
+            verdict = None if norm is None else self.flag(norm)  # None: no grads yet (a closure computes them)
+        return verdict
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.mode != "off":
-            ok = self._take_ok()
-            if ok is not None:
-                self.decide(ok)
+            verdict = self._take_verdict()
+            if verdict is not None:
+                self.decide(verdict)
 
-    def decide(self, ok: torch.Tensor | bool) -> None:
-        """Skip the update being applied now if ``ok`` is false: from the pre-hook, or from inside ``step()``
+    def decide(self, skip: Verdict) -> None:
+        """Skip the update being applied now if ``skip`` says so: from the pre-hook, or from inside ``step()``
         after a closure's backward (Lightning's ``on_before_optimizer_step``), before the update runs."""
         if self.mode == "hide_grads":
-            if not bool(ok):  # on the CPU a read is free
+            if bool(skip):  # on the CPU a read is free
                 self.skipped += 1
                 self._hidden = [(p, p.grad) for p in self._params()]
                 for p, _ in self._hidden:
@@ -102,21 +125,19 @@ class UpdateHooks:
         if self.mode != "found_inf":
             return
         optimizer = self.optimizer
-        params = self._params()
-        device = params[0].device if params else torch.device("cpu")
-        if isinstance(ok, torch.Tensor):
-            bad = (~ok).to(device=device, dtype=torch.float32, non_blocking=True)
-        else:
-            bad = torch.full((), 0.0 if ok else 1.0, dtype=torch.float32, device=device)
+        if not isinstance(skip, torch.Tensor):
+            params = self._params()
+            skip = torch.full((), float(skip), dtype=torch.float32,
+                              device=params[0].device if params else torch.device("cpu"))
         existing = getattr(optimizer, "found_inf", None)
         if not self._set_found_inf:
             self._saved_found_inf = getattr(optimizer, "found_inf", _ABSENT)
             self._set_found_inf = True
         # the kernels skip only on exactly 1.0 and subtract the flag from the step counts: keep it 0 or 1
-        optimizer.found_inf = bad if existing is None else torch.maximum(existing, bad.to(existing.device))  # type: ignore[attr-defined]
+        optimizer.found_inf = skip if existing is None else torch.maximum(existing, skip.to(existing.device))  # type: ignore[attr-defined]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._ok = None
+        self._verdict = None
         if self._hidden:
             for p, g in self._hidden:
                 p.grad = g

@@ -1,0 +1,71 @@
+"""The non-finite skip's verdict and its hand-over to torch's optimizers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainpatrol.probe.update_hooks import UpdateHooks, nonfinite_flag, skip_mode
+
+
+@pytest.mark.parametrize(("loss", "extra", "flag"), [
+    (1.5, 0.3, 0.0), (-2.0, None, 0.0), (0.0, 0.0, 0.0), (math.nan, 0.3, 1.0), (math.inf, 0.3, 1.0),
+    (-math.inf, None, 1.0), (1.5, math.nan, 1.0), (1.5, -math.inf, 1.0), (1.5, float("inf"), 1.0),
+])
+def test_the_flag_is_one_exactly_when_a_value_is_not_finite(loss: float, extra: float | None, flag: float) -> None:
+    out = torch.full((), 7.0)
+    for extra_value in (extra, None if extra is None else torch.tensor(extra)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            got = nonfinite_flag(torch.tensor(loss, dtype=dtype), extra_value, out)
+            assert got is out and got.dtype == torch.float32 and got.item() == flag, (loss, extra_value, dtype)
+
+
+def fused_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+
+
+def test_a_verdict_to_skip_leaves_a_fused_optimizer_untouched_and_the_flag_is_handed_back() -> None:
+    model, opt = fused_adam()
+    hooks = UpdateHooks(opt, skip=True, after_step=lambda: None)
+    assert hooks.mode == "found_inf"
+    model(torch.ones(2, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    hooks.judge(hooks.flag(torch.tensor(math.nan)))
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert [float(s["step"]) for s in opt.state.values()] == [0.0, 0.0]
+    assert not hasattr(opt, "found_inf")
+    hooks.judge(hooks.flag(torch.tensor(1.0)))
+    opt.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert [float(s["step"]) for s in opt.state.values()] == [1.0, 1.0]
+
+
+def test_beside_a_grad_scaler_its_flag_is_combined_and_left_for_it_to_delete() -> None:
+    model, opt = fused_adam()
+    hooks = UpdateHooks(opt, skip=True, after_step=lambda: None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    hooks.judge(hooks.flag(torch.tensor(math.nan)))  # the scaler finds the grads finite; Patrol does not
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not hasattr(opt, "found_inf")
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    hooks.judge(hooks.flag(torch.tensor(1.0)))
+    scaler.step(opt)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_optimizers_that_cannot_skip_without_a_sync_are_named_off() -> None:
+    model = torch.nn.Linear(4, 1)
+    assert skip_mode(torch.optim.SGD(model.parameters(), lr=0.1)) == "hide_grads"  # CPU: reading is free
+    assert skip_mode(torch.optim.SGD(model.parameters(), lr=0.1, fused=True)) == "found_inf"
+    meta = torch.nn.Linear(4, 1, device="meta")
+    assert skip_mode(torch.optim.SGD(meta.parameters(), lr=0.1)) == "off"
