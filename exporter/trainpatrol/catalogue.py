@@ -81,13 +81,17 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "cuda_memory_active_bytes", "gauge", "bytes", "Bytes in active allocator blocks."),
     _r(P + "cuda_memory_inactive_split_bytes", "gauge", "bytes", "Bytes in inactive, non-releasable split blocks."),
     _r(P + "cuda_memory_peak_allocated_bytes", "gauge", "bytes", "Peak allocated bytes over the recent window."),
-    _r(P + "cuda_memory_fragmentation_ratio", "gauge", "ratio", "(reserved - allocated) / reserved."),
+    _r(P + "cuda_memory_fragmentation_ratio", "gauge", "ratio", "Share of reserved bytes that stayed unusable even at the allocation peak: unusable_at_peak / reserved."),
+    _r(P + "cuda_memory_unusable_at_peak_bytes", "gauge", "bytes", "Reserved bytes beyond the highest allocation peak seen (max(0, reserved - peak allocated)); never resets the user's peak statistics."),
     _r(P + "cuda_memory_capacity_bytes", "gauge", "bytes", "Total memory of the rank's device."),
     _r(P + "cuda_memory_used_ratio", "gauge", "ratio", "Allocated bytes divided by device capacity."),
     _r(P + "cuda_alloc_retries_total", "counter", "", "cudaMalloc retries after the allocator flushed its cache."),
     _r(P + "cuda_ooms_total", "counter", "", "Out-of-memory errors raised by the caching allocator."),
     _r(P + "cuda_memory_baseline_bytes", "gauge", "bytes", "Allocated bytes at the step boundary, the leak-trend sample point."),
     _r(P + "cuda_memory_baseline_slope_bytes_per_step", "gauge", "bytes", "Least-squares slope of the baseline over the window; positive and steady means a leak."),
+    _r(P + "host_memory_resident_bytes", "gauge", "bytes", "Resident set size of the rank's process (/proc/self/statm), read about once a second off the training thread."),
+    _r(P + "host_memory_limit_bytes", "gauge", "bytes", "Host memory limit in force for the rank: PatrolConfig.host_memory_limit_bytes, else the lower of its cgroup's memory.max (v1 memory.limit_in_bytes) and MemTotal."),
+    _r(P + "dataloader_worker_resident_bytes", "gauge", "bytes", "Resident set size of each live worker process of the DataLoader iterated through Patrol.loader(), by worker index; it includes pages shared with the rank.", "worker"),
     _r(P + "probe_overhead_ratio", "gauge", "ratio", "Time spent inside Patrol divided by step time over the recent window."),
     _r(P + "guard_trips_total", "counter", "", "Local guard trips, by guard.", "guard"),
     _r(P + "guard_active", "gauge", "", "1 while a local guard's condition holds at the last read step.", "guard"),
@@ -112,6 +116,12 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "webhook_alerts_total", "counter", "", "Alerts received on the Alertmanager webhook, by outcome.", "outcome"),
     _a(P + "control_commands_total", "counter", "", "Control commands queued for ranks, by action and source.", "action", "source"),
     _a(P + "forwarded_alerts_total", "counter", "", "Alerts forwarded to peer agents, by outcome.", "outcome"),
+    _a("process_resident_memory_bytes", "gauge", "bytes", "Resident memory size of the agent process in bytes."),
+    _a("process_virtual_memory_bytes", "gauge", "bytes", "Virtual memory size of the agent process in bytes."),
+    _a("process_cpu_seconds_total", "counter", "seconds", "Total user and system CPU time of the agent process in seconds."),
+    _a("process_open_fds", "gauge", "", "Number of open file descriptors of the agent process."),
+    _a("process_max_fds", "gauge", "", "Maximum number of open file descriptors of the agent process (soft limit)."),
+    _a("process_start_time_seconds", "gauge", "seconds", "Start time of the agent process since unix epoch in seconds."),
 )
 
 NVML_METRICS: tuple[Metric, ...] = (
@@ -163,6 +173,8 @@ def render_markdown() -> str:
                       "`--nvml-slow-interval` (5 s) and carried by the samples in between: counters, settings that",
                       "rarely move, and the calls that block (energy about 3 ms, PCIe throughput about 20 ms a GPU).",
                       ""]}
+    notes["agent"] = ["The `process_*` metrics describe the agent process itself, under the names every Prometheus",
+                      "client library uses; they are read from /proc at most once a second.", ""]
     for source, title in titles.items():
         out += [f"## {title}", "", *notes.get(source, []), "| name | type | unit | labels | help |",
                 "| --- | --- | --- | --- | --- |"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from servers import wait_for
 from trainpatrol import Patrol, PatrolConfig
 
 TEXT = ("the quick brown fox jumps over the lazy dog while a patrol watches every step of the run; " * 40)
@@ -83,6 +85,17 @@ def run_until_stopped(fn: Any) -> int | None:
         return int(exc.code) if exc.code is not None else 0
     return None
 
+
+
+def pause_then_stop(patrol: Patrol, fn: Any) -> int | None:
+    """Run the loop ``fn`` in a thread until the run pauses, then stop it; returns the loop's exit code."""
+    result: list[int | None] = []
+    t = threading.Thread(target=lambda: result.append(run_until_stopped(fn)), daemon=True)
+    t.start()
+    wait_for(lambda: patrol.state == "paused", 30, what="paused")
+    patrol.request("stop", "test over")
+    t.join(30)
+    return result[0]
 
 
 def nonfinite_tensors(checkpoint: Path) -> list[str]:

@@ -118,3 +118,31 @@ def test_a_write_killed_mid_way_leaves_only_a_temp_file_that_the_next_start_remo
     assert [p.name.split(".tmp-")[0] for p in ckpt.iterdir()] == [".state.pt"]
     Checkpointer(tmp_path / "ckpt")
     assert list(ckpt.iterdir()) == []
+
+
+def test_evidence_holds_learning_rates_guard_trips_and_validation_history(tmp_path: Path) -> None:
+    model, opt = mlp()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "explain", guard_actions={}))
+    for step in range(1, 31):
+        patrol.boundary()
+        loss = mlp_loss(model) * (1e6 if step == 25 else 1.0)  # a spike the loss guard records
+        loss.backward()
+        patrol.step(loss)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step % 10 == 0:
+            patrol.evaluate(1.0 / step)
+    patrol.request("capture", "look")
+    patrol.boundary()
+    bundle = Path(patrol.actions[-1].evidence)
+    history = json.loads((bundle / "rank-00000" / "history.json").read_text())
+    assert [r["learning_rate"] for r in history][:12] == [1e-2] * 5 + [5e-3] * 5 + [2.5e-3] * 2
+    extra = json.loads((bundle / "rank-00000" / "extra.json").read_text())
+    assert [t["guard"] for t in extra["guard_trips"]] == ["loss_spike", "grad_norm_explosion"]
+    assert "at step 25" in extra["guard_trips"][0]["detail"]
+    assert [(v["step"], v["value"]) for v in extra["validation_history"]] == [(10, 0.1), (20, 0.05), (30, 1 / 30)]
+    report = (bundle / "report.html").read_text()
+    assert "Guard trips" in report and "loss_spike" in report and "Validation loss" in report
+    patrol.close()

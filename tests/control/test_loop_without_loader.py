@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from ddp_scenarios import record, state, wait_all
-from resume_loops import config, mlp, mlp_loss, run_until_stopped
+from resume_loops import config, mlp, mlp_loss, pause_then_stop, run_until_stopped
 from test_ddp_same_step import WORKER
 
 from servers import agent, free_port, holds_for, http_json, python_env, wait_for
@@ -64,12 +64,8 @@ def test_a_nan_pauses_a_loop_that_never_calls_boundary(tmp_path: Path) -> None:
             opt.step()
             opt.zero_grad()
 
-    t = threading.Thread(target=lambda: run_until_stopped(loop), daemon=True)
-    t.start()
-    wait_for(lambda: patrol.state == "paused", 30, what="paused by the NaN guard")
-    assert patrol.step_count == 31
-    patrol.request("stop", "end")
-    t.join(30)
+    assert pause_then_stop(patrol, loop) == STOP_EXIT_CODE
+    assert [(a.action, a.step) for a in patrol.actions] == [("pause", 31), ("stop", 31)]
     patrol.close()
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from resume_loops import config, meta, mlp, mlp_loss, nonfinite_tensors, run_until_stopped
+from resume_loops import config, meta, mlp, mlp_loss, nonfinite_tensors, pause_then_stop
 
-from servers import wait_for
 from trainpatrol import STOP_EXIT_CODE, Patrol
 from trainpatrol.control.checkpoint import Checkpointer
 
@@ -28,17 +26,6 @@ def train_mlp(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer
         opt.zero_grad()
         if patrol.step_count == checkpoint_at:
             patrol.request("checkpoint", "periodic")
-
-
-def pause_then_stop(patrol: Patrol, fn: object) -> int | None:
-    """Run ``fn`` in a thread until the run pauses, then stop it; returns the exit code."""
-    result: list[int | None] = []
-    t = threading.Thread(target=lambda: result.append(run_until_stopped(fn)), daemon=True)
-    t.start()
-    wait_for(lambda: patrol.state == "paused", 30, what="paused")
-    patrol.request("stop", "test over")
-    t.join(30)
-    return result[0]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 import torch
-from resume_loops import config, mlp, mlp_loss, run_until_stopped
+from resume_loops import config, mlp, mlp_loss, pause_then_stop, run_until_stopped
 
 from servers import wait_for
 from trainpatrol import STOP_EXIT_CODE, Patrol, PatrolConfig
@@ -53,32 +53,22 @@ def test_a_nan_loss_with_a_finite_grad_norm_pauses_by_the_loss_guard_alone(tmp_p
     for grad_norm in (torch.tensor(0.5), None):
         patrol = Patrol(config=PatrolConfig(**{**cfg.__dict__, "run": f"loss-only-{grad_norm is None}"}),
                         device="cpu")
-        result: list[int | None] = []
 
         def loop(p: Patrol = patrol, gn: torch.Tensor | None = grad_norm) -> None:
             for i in range(10**6):
                 p.boundary()
                 p.step(torch.tensor(float("nan") if i == 9 else 1.0), grad_norm=gn)
 
-        t = threading.Thread(target=lambda lp=loop, r=result: r.append(run_until_stopped(lp)), daemon=True)
-        t.start()
-        wait_for(lambda p=patrol: p.state == "paused", 30, what="paused by nonfinite_loss")
-        assert patrol.step_count == 10
+        assert pause_then_stop(patrol, loop) == STOP_EXIT_CODE
+        assert [(a.action, a.step) for a in patrol.actions] == [("pause", 10), ("stop", 10)]
         assert patrol.guards.trips["nonfinite_grad"] == 0 and patrol.guards.trips["nonfinite_loss"] == 1
-        patrol.request("stop", "end")
-        t.join(30)
-        assert result == [STOP_EXIT_CODE]
         patrol.close()
 
 
 def test_the_pause_report_says_what_a_resume_does_if_the_fault_persists(tmp_path: Path) -> None:
     model, opt = mlp()
     patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "report"))
-    t = threading.Thread(target=lambda: run_until_stopped(lambda: sick_from(patrol, model, opt, 5)), daemon=True)
-    t.start()
-    wait_for(lambda: patrol.state == "paused", 30, what="pause")
-    patrol.request("stop", "end")
-    t.join(30)
+    assert pause_then_stop(patrol, lambda: sick_from(patrol, model, opt, 5)) == STOP_EXIT_CODE
     pause = next(a for a in patrol.actions if a.action == "pause")
     report = (Path(pause.evidence) / "report.html").read_text()
     assert "if the fault persists, or comes back, they act again" in report

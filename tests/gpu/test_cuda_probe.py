@@ -44,9 +44,10 @@ def _nest(flat: dict[str, int]) -> dict[str, object]:
     return nest(flat)
 
 
-def test_fragmentation_ratio_is_what_memory_stats_implies(tmp_path: Path) -> None:
+def test_fragmentation_counts_only_what_stayed_unusable_at_the_peak(tmp_path: Path) -> None:
     torch.cuda.empty_cache()
-    # interleave small blocks in 2 MiB segments, free every other one: reserved stays, allocated halves
+    # interleave small blocks in 2 MiB segments, free every other one: reserved stays, allocated halves,
+    # yet at the peak every reserved byte was in use, so nothing stayed unusable (caching, not fragmentation)
     blocks = [torch.empty(256 * 1024, dtype=torch.uint8, device=DEV) for _ in range(4096)]
     del blocks[::2]
     torch.cuda.synchronize()
@@ -54,11 +55,13 @@ def test_fragmentation_ratio_is_what_memory_stats_implies(tmp_path: Path) -> Non
     patrol.step(torch.ones((), device=DEV))
     m = patrol.memory_reading()
     stats = torch.cuda.memory_stats(DEV)
-    reserved, allocated = stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"]
+    reserved, peak = stats["reserved_bytes.all.current"], stats["allocated_bytes.all.peak"]
     assert m is not None
-    assert m.fragmentation == pytest.approx((reserved - allocated) / reserved, abs=1e-5)  # a few tiny tensors apart
-    assert m.fragmentation > 0.4
-    assert m.inactive_split > 0
+    assert (reserved - stats["allocated_bytes.all.current"]) / reserved > 0.3  # what the old ratio read
+    assert m.unusable_at_peak == pytest.approx(max(0.0, reserved - peak), abs=2**20)
+    assert m.fragmentation == pytest.approx(m.unusable_at_peak / reserved, abs=1e-9) and m.fragmentation < 0.05
+    assert m.inactive_split == pytest.approx(stats["inactive_split_bytes.all.current"], abs=2**20)
+    assert m.inactive_split > 0  # the raw number is kept
     patrol.close()
     del blocks
 

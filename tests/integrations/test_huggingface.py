@@ -49,6 +49,20 @@ def make_trainer(out: Path, callbacks: list[Any], max_steps: int, **args: Any) -
     return transformers.Trainer(model=tiny_gpt2(), args=targs, train_dataset=RandomTokens(), callbacks=callbacks)
 
 
+def train_in_thread(trainer: Any) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.train()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    return thread, errors
+
+
 class When(transformers.TrainerCallback):  # type: ignore[misc]
     """Runs ``fn(state, control)`` as every step begins (``state.global_step`` steps are done)."""
 
@@ -75,6 +89,7 @@ def test_exported_values_equal_the_trainers_logs(tmp_path: Path, agent_url: str,
         assert rec is not None
         assert (rec.loss, rec.grad_norm) == (e["loss"], e["grad_norm"]), e
     assert patrol.totals.samples == 12 * 4 * accum and patrol.totals.tokens == 12 * 4 * accum * SEQ
+    assert exposed(agent_url, "trainpatrol_micro_step_total", run) == 12 * accum  # backward passes
     # the agent's /metrics after the final push: step count and the last step's values, exactly
     last = logs[-1]
     assert exposed(agent_url, "trainpatrol_step_total", run) == trainer.state.global_step == 12
@@ -93,16 +108,7 @@ def test_pause_via_agent_blocks_until_resume(tmp_path: Path, agent_url: str) -> 
 
     cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, run))
     trainer = make_trainer(tmp_path / "out", [cb, When(stop_when_told)], max_steps=100_000, logging_steps=50)
-    errors: list[BaseException] = []
-
-    def train() -> None:
-        try:
-            trainer.train()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
+    thread, errors = train_in_thread(trainer)
     try:
         wait_for(lambda: trainer.state.global_step >= 3, 30, what="training to start")
         http_json(f"{agent_url}/v1/runs/{run}/actions", {"action": "pause", "reason": "test"})
@@ -254,20 +260,6 @@ def nan_loss_from(trainer: Any, first: int, last: int) -> Any:
     return trainer.model.register_forward_hook(hook, with_kwargs=True)
 
 
-def train_in_thread(trainer: Any) -> tuple[threading.Thread, list[BaseException]]:
-    errors: list[BaseException] = []
-
-    def fit() -> None:
-        try:
-            trainer.train()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=fit, daemon=True)
-    thread.start()
-    return thread, errors
-
-
 def test_a_nan_step_pauses_with_finite_weights_and_a_finite_checkpoint(tmp_path: Path, agent_url: str) -> None:
     cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "hf-nan-pause"))
     out = tmp_path / "out"
@@ -304,3 +296,35 @@ def test_a_resumed_run_that_is_still_nan_pauses_again(tmp_path: Path, agent_url:
     assert [(a.action, a.step) for a in cb.patrol.actions] == [
         ("pause", 10), ("resume", 10), ("pause", 11), ("resume", 11), ("pause", 12), ("stop", 12)]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_learning_rate_blow_up_pauses_within_five_steps_by_default(tmp_path: Path, agent_url: str) -> None:
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "hf-lr-blowup"))
+    out = tmp_path / "out"
+    trainer = make_trainer(out, [cb], max_steps=200)
+
+    def blow_up(state: Any, control: Any) -> None:
+        if state.global_step == 60:  # step 61 on runs at 1e4 times the learning rate, as the issue's run did
+            trainer.lr_scheduler.base_lrs = [lr * 1e4 for lr in trainer.lr_scheduler.base_lrs]
+            for group in trainer.optimizer.param_groups:
+                group["lr"] *= 1e4
+
+    trainer.add_callback(When(blow_up))
+    thread, errors = train_in_thread(trainer)
+    wait_for(lambda: cb.patrol is not None and cb.patrol.state == "paused", 60, what="paused by a guard")
+    assert cb.patrol is not None
+    pause = next(a for a in cb.patrol.actions if a.action == "pause")
+    assert 61 <= pause.step <= 65, pause
+    trips = {g: n for g, n in cb.patrol.guards.trips.items() if n}
+    assert set(trips) <= {"loss_spike", "grad_norm_explosion", "nonfinite_loss", "nonfinite_grad"} and trips
+    cb.patrol.request("stop", "end")
+    thread.join(60)
+    assert [type(e) for e in errors] == [SystemExit]
+
+
+def test_a_healthy_trainer_run_keeps_every_guard_quiet(tmp_path: Path, agent_url: str) -> None:
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "hf-healthy"))
+    make_trainer(tmp_path / "out", [cb], max_steps=150).train()
+    assert cb.patrol is not None and cb.patrol.step_count == 150
+    assert {g: n for g, n in cb.patrol.guards.trips.items() if n} == {}
+    assert [a.action for a in cb.patrol.actions] == []

@@ -150,7 +150,8 @@ def test_dataloader_audit_and_wait_ratio(tmp_path: Path) -> None:
 
 
 class ScriptedAllocator:
-    """Stands in for the CUDA allocator on CPU: allocated grows 1 MiB per read (a leak)."""
+    """Stands in for the CUDA allocator on CPU: allocated grows 1 MiB per read (a leak); from
+    ``fragmented_from`` on, reserved is twice the peak and the allocator has retried twice."""
 
     def __init__(self, reserved: float, fragmented_from: int = 10**9) -> None:
         self.reads = 0
@@ -162,7 +163,8 @@ class ScriptedAllocator:
         allocated = 4 * GIB + self.reads * 2**20
         reserved = self.reserved if self.reads < self.fragmented_from else allocated / 0.5
         return MemoryReading(allocated=allocated, reserved=reserved, active=allocated, inactive_split=2**20,
-                             peak_allocated=allocated, alloc_retries=float(self.reads // 5), ooms=0.0,
+                             peak_allocated=allocated,
+                             alloc_retries=2.0 if self.reads >= self.fragmented_from else 0.0, ooms=0.0,
                              capacity=80 * GIB)
 
 

@@ -78,7 +78,9 @@ class Executor:
             write_rank_part(bundle, p.identity.rank, history=p.history.dump(), device=p.device,
                             nvml=fetch_nvml(p.config.agent_url, p.config.token), config=p.config_dict(),
                             extra={"checkpoint": path, "outcome": "ok" if ok else "failed", "detail": detail,
-                                   "trigger": trigger, "loader_audit": audit, **facts})
+                                   "trigger": trigger, "loader_audit": audit, **facts,
+                                   "guard_trips": list(p.guards.trip_log),
+                                   "validation_history": list(p.validation_history)})
         except OSError as exc:
             detail = (detail + "; " if detail else "") + f"evidence not written: {exc}"
             log.error("trainpatrol: %s", detail)

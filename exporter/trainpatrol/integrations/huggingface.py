@@ -59,6 +59,8 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         self._owned = self.patrol is None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._micro: list[torch.Tensor] = []
+        self._forwards = 0
+        """Training forward passes of this step: one per micro-batch, so one per backward pass."""
         self._scaled = False
         self._loss_scale = 1
         self._samples = self._tokens = 0
@@ -105,6 +107,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         if self.patrol is not None:
             self.patrol.waited(time.perf_counter() - self._last_hook)
         self._micro, self._samples, self._tokens, self._scaled = [], 0, 0, False
+        self._forwards = 0
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           optimizer: Any = None, **kwargs: Any) -> None:
@@ -155,6 +158,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
                     output: Any) -> None:
         if not module.training:
             return
+        self._forwards += 1
         loss = output.get("loss") if isinstance(output, Mapping) else None
         if loss is None and isinstance(output, tuple | list) and output and "labels" in kwargs:
             loss = output[0]
@@ -197,9 +201,10 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
                 log.warning("trainpatrol: the model returned no loss (a custom compute_loss?); steps are counted "
                             "and actions work, but the loss is seen only on steps the Trainer logs")
             patrol.totals.steps += 1
-            patrol.totals.micro_steps += 1
+            patrol.totals.micro_steps += max(1, self._forwards)
         else:
             patrol.totals.steps = state.global_step - 1  # steps without a loss were counted above
+            patrol.totals.micro_steps += max(0, self._forwards - 1)  # Patrol.step counts the last backward pass
             patrol.step(loss, grad_norm=grad_norm, batch_size=self._samples, tokens=self._tokens,
                         learning_rates=self._learning_rates or None)
         self._step_loss = None

@@ -43,9 +43,13 @@ class PatrolConfig:
                                                                      "trainpatrol/evidence"))
     keep_checkpoints: int = 3
     guards: GuardConfig = field(default_factory=GuardConfig)
-    guard_actions: dict[str, str] = field(default_factory=lambda: {"nonfinite_loss": "pause",
-                                                                   "nonfinite_grad": "pause"})
-    """Which action a tripped local guard requests. Unlisted guards are recorded, exported, logged."""
+    guard_actions: dict[str, str] = field(default_factory=lambda: {
+        "nonfinite_loss": "pause", "nonfinite_grad": "pause", "loss_spike": "pause", "grad_norm_explosion": "pause",
+        "host_memory_leak": "capture"})
+    """Which action a tripped local guard requests. Unlisted guards are recorded, exported, logged. A blow-up
+    can reach NaN within one scrape interval, so the explosion guards pause here rather than wait for an alert;
+    their thresholds sit well above what healthy runs reach (docs/benchmarks.md). A host-memory leak captures
+    evidence, as the OOM killer's SIGKILL leaves the rank no chance to write any afterwards."""
     skip_nonfinite_updates: bool = True
     """Skip the optimizer update of a step whose loss or gradients are non-finite, on the device and without a
     host sync, so the weights a pause saves are the last good ones (see ``probe/update_hooks.py``)."""
@@ -60,10 +64,16 @@ class PatrolConfig:
     """Record CUDA allocation history so evidence bundles carry a memory snapshot."""
     memory_reader: MemoryReader | None = None
     """Override of the allocator reading: a fault-injection hook for tests and demos."""
+    host_memory_limit_bytes: float = 0.0
+    """The host memory this rank (with its DataLoader workers' growth) may use, exported as
+    ``trainpatrol_host_memory_limit_bytes`` and judged by the ``host_memory_leak`` guard. 0: the lower of the
+    cgroup's limit and MemTotal, which the guard shares among the node's ``LOCAL_WORLD_SIZE`` ranks."""
 
     def validate(self) -> PatrolConfig:
         if self.grad_accum_steps < 1:
             raise ValueError(f"`PatrolConfig(grad_accum_steps={self.grad_accum_steps!r})` must be >= 1.")
+        if not self.host_memory_limit_bytes >= 0:
+            raise ValueError(f"`PatrolConfig(host_memory_limit_bytes={self.host_memory_limit_bytes!r})` must be >= 0.")
         if self.window < 2:
             raise ValueError(f"`PatrolConfig(window={self.window!r})` must be >= 2.")
         for guard, action in self.guard_actions.items():

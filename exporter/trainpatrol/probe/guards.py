@@ -16,16 +16,18 @@ import logging
 import math
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .host_memory import HostMemoryReading, LeakTrend
 from .memory import MemoryReading
 from .window import History, finite
 
 log = logging.getLogger("trainpatrol")
 
 GUARDS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "loss_stagnation", "grad_norm_explosion",
-          "memory_fragmentation", "oom_risk")
+          "memory_fragmentation", "oom_risk", "host_memory_leak")
 STEP_GUARDS = GUARDS[:5]
 """The guards ``check_step`` judges."""
 _MAX = sys.float_info.max
@@ -34,9 +36,10 @@ _MAX = sys.float_info.max
 @dataclass
 class GuardConfig:
     loss_spike_factor: float = 4.0
-    """Trip when the loss exceeds this many times its running median."""
-    grad_norm_factor: float = 10.0
-    """Trip when the grad norm exceeds this many times its running median..."""
+    """Trip when the loss exceeds this many times its running median (healthy H200 runs peaked at 1.47x)."""
+    grad_norm_factor: float = 50.0
+    """Trip when the grad norm exceeds this many times its running median (healthy H200 runs peaked at 23.8x;
+    see docs/benchmarks.md)..."""
     grad_norm_ceiling: float = 1e4
     """...or this absolute value."""
     median_window: int = 100
@@ -50,8 +53,19 @@ class GuardConfig:
     log_interval_seconds: float = 60.0
     """A guard that trips again is logged at most this often (each trip is still counted and acted on)."""
     fragmentation_ratio: float = 0.35
+    """Trip when this share of reserved memory stayed unusable even at the allocation peak..."""
     fragmentation_min_reserved_bytes: float = 4 * 2**30
+    """...with at least this much reserved; or whenever the allocator had to free its cache and retry."""
     oom_used_ratio: float = 0.92
+    host_memory_used_ratio: float = 0.9
+    """host_memory_leak trips when the rank's resident set (with its workers' growth) passes this share of the
+    limit (see probe/host_memory.py)..."""
+    host_memory_min_growth_bytes_per_second: float = 2.0**20
+    host_memory_horizon_seconds: float = 600.0
+    """...or when it grew at this rate or more, throughout the last ``host_memory_min_seconds`` or more, and at
+    that rate reaches the limit within this horizon."""
+    host_memory_window_seconds: float = 30.0
+    host_memory_min_seconds: float = 15.0
 
 
 class Guards:
@@ -61,6 +75,8 @@ class Guards:
         self.trips: dict[str, int] = dict.fromkeys(GUARDS, 0)
         self.active: dict[str, bool] = dict.fromkeys(GUARDS, False)
         self._logged_at: dict[str, float] = {}
+        self.trip_log: deque[dict[str, object]] = deque(maxlen=256)
+        """The latest trips with their detail lines, for evidence bundles (the log rate-limits its lines)."""
         self._unlogged: dict[str, int] = dict.fromkeys(GUARDS, 0)
         self._next_refresh = -math.inf
         self._stagnation_at = -(10**9)
@@ -72,6 +88,8 @@ class Guards:
         """Between refreshes, a step with both values in [-max float, limit] trips nothing new."""
         self._quiet = True
         """No step guard is active."""
+        self._alloc_retries: float | None = None
+        self._host_trend = LeakTrend(config.host_memory_window_seconds)
 
     def rearm(self) -> None:
         """Forget which conditions hold, so one that still holds trips (and acts) again at its next step."""
@@ -83,6 +101,7 @@ class Guards:
             self.trips[guard] += 1
             line = detail()
             tripped.append((guard, line))
+            self.trip_log.append({"time": time.time(), "guard": guard, "detail": line})
             self._log(guard, line)
         self.active[guard] = condition
 
@@ -164,11 +183,27 @@ class Guards:
     def check_memory(self, m: MemoryReading) -> list[tuple[str, str]]:
         c = self.config
         tripped: list[tuple[str, str]] = []
-        self._set("memory_fragmentation",
-                  m.fragmentation > c.fragmentation_ratio and m.reserved > c.fragmentation_min_reserved_bytes,
-                  lambda: f"fragmentation {m.fragmentation:.2f} with {m.reserved / 2**30:.1f} GiB reserved", tripped)
+        retried = self._alloc_retries is not None and m.alloc_retries > self._alloc_retries
+        retries_before, self._alloc_retries = self._alloc_retries, m.alloc_retries
+        unusable = m.fragmentation > c.fragmentation_ratio and m.reserved > c.fragmentation_min_reserved_bytes
+        self._set("memory_fragmentation", retried or unusable,
+                  lambda: f"{m.unusable_at_peak / 2**30:.2f} GiB of {m.reserved / 2**30:.1f} GiB reserved unusable "
+                          f"even at the allocation peak ({m.fragmentation:.2f}); inactive split blocks "
+                          f"{m.inactive_split / 2**30:.2f} GiB; allocator retries {retries_before or 0:g} -> "
+                          f"{m.alloc_retries:g}", tripped)
         self._set("oom_risk", m.used_ratio > c.oom_used_ratio,
                   lambda: f"allocated / capacity = {m.used_ratio:.3f}", tripped)
+        return tripped
+
+    def check_host_memory(self, r: HostMemoryReading) -> list[tuple[str, str]]:
+        """Judge a host-memory reading: on the publisher thread, about once a second (Patrol.snapshot)."""
+        c = self.config
+        tripped: list[tuple[str, str]] = []
+        self._host_trend.add(r.time, r.judged)
+        why = self._host_trend.leak(r.budget, used_ratio=c.host_memory_used_ratio,
+                                    min_growth=c.host_memory_min_growth_bytes_per_second,
+                                    horizon=c.host_memory_horizon_seconds, min_seconds=c.host_memory_min_seconds)
+        self._set("host_memory_leak", why is not None, lambda: str(why), tripped)
         return tripped
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -107,6 +108,12 @@ class LoaderTracker:
         self.position = LoaderPosition()
         self.resume_at: tuple[LoaderPosition, Callable[[], None]] | None = None
         """A restored position and what restores the checkpoint's RNG once the loader is back there."""
+        self._iterator: Callable[[], Any] = _nothing_found
+        """The current epoch's iterator, weakly: its worker processes are read for host memory (host_memory.py)."""
+
+    def iterator(self) -> Any:
+        """The iterator of the epoch being trained on, while it exists (None otherwise)."""
+        return self._iterator()
 
     def state(self) -> dict[str, Any] | None:
         p = self.position
@@ -125,15 +132,26 @@ class LoaderTracker:
         resume, self.resume_at = self.resume_at, None
         if resume is None:
             self.position = LoaderPosition(self.position.epoch + 1, 0, epoch_rng(loader))
-            return iter(loader)  # type: ignore[no-any-return]
+            return self._keep(iter(loader))
         at, restore_rng = resume
         set_epoch_rng(loader, at.rng)
         self.position = LoaderPosition(at.epoch, at.batches, at.rng)
-        it: Iterator[Any] = iter(loader)
+        it: Iterator[Any] = self._keep(iter(loader))
         fast_forward(it, loader, at.batches)
         restore_rng()
         log.warning("trainpatrol: data loader resumed at epoch %d after %d batches", at.epoch, at.batches)
         return it
+
+    def _keep(self, it: Iterator[Any]) -> Iterator[Any]:
+        try:
+            self._iterator = weakref.ref(it)  # never keeps the workers of an abandoned epoch alive
+        except TypeError:  # e.g. a list's iterator: no workers to read
+            self._iterator = _nothing_found
+        return it
+
+
+def _nothing_found() -> None:
+    return None
 
 
 def _nothing() -> None:

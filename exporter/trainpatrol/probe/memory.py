@@ -24,10 +24,20 @@ class MemoryReading:
     alloc_retries: float
     ooms: float
     capacity: float
+    peak_seen: float = 0.0
+    """The highest allocator peak Patrol has read in this process: a user's ``reset_peak_memory_stats()``
+    lowers ``peak_allocated``, never this (Patrol never resets the user's peaks)."""
+
+    @property
+    def unusable_at_peak(self) -> float:
+        """Reserved bytes beyond the most ever allocated at once: memory the allocator holds that stayed
+        unusable even at the peak. Not ``reserved - allocated`` read after backward, which counts the
+        freed activations whose blocks are rightly kept for the next step."""
+        return max(0.0, self.reserved - max(self.peak_allocated, self.peak_seen))
 
     @property
     def fragmentation(self) -> float:
-        return (self.reserved - self.allocated) / self.reserved if self.reserved > 0 else 0.0
+        return self.unusable_at_peak / self.reserved if self.reserved > 0 else 0.0
 
     @property
     def used_ratio(self) -> float:

@@ -10,6 +10,7 @@ from typing import Any
 from ..catalogue import STEP_DURATION_BUCKETS
 from ..control.actions import ACTIONS, RUN_STATES
 from .guards import GUARDS
+from .host_memory import HostMemoryReading
 from .loader import LoaderAudit
 from .memory import MemoryReading
 from .window import History
@@ -50,6 +51,8 @@ class Latest:
     last_checkpoint_time: float = math.nan
     last_checkpoint_step: float = math.nan
     interval_steps: int = 1
+    host_memory: HostMemoryReading | None = None
+    """The last host-memory reading (taken where a push is built: Patrol.snapshot)."""
 
 
 def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str, int],
@@ -92,12 +95,19 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
         add("cuda_memory_inactive_split_bytes", m.inactive_split)
         add("cuda_memory_peak_allocated_bytes", latest.window_peak)
         add("cuda_memory_fragmentation_ratio", m.fragmentation)
+        add("cuda_memory_unusable_at_peak_bytes", m.unusable_at_peak)
         add("cuda_memory_capacity_bytes", m.capacity)
         add("cuda_memory_used_ratio", m.used_ratio)
         add("cuda_alloc_retries_total", m.alloc_retries)
         add("cuda_ooms_total", m.ooms)
         add("cuda_memory_baseline_bytes", m.allocated)
         add("cuda_memory_baseline_slope_bytes_per_step", history.slope("allocated_bytes"))
+    h = latest.host_memory
+    if h is not None:
+        add("host_memory_resident_bytes", h.resident)
+        add("host_memory_limit_bytes", h.limit)
+        for worker, resident in h.workers.items():
+            add("dataloader_worker_resident_bytes", resident, worker=str(worker))
     add("probe_overhead_ratio", history.ratio("probe_seconds", "step_seconds"))
     for g in GUARDS:
         add("guard_trips_total", guards_trips[g], guard=g)

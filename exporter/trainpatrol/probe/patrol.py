@@ -38,6 +38,7 @@ from . import device_values as dv
 from .config import PatrolConfig
 from .embedded import agent_answers, start_embedded_agent, stop_embedded_agent
 from .guards import Guards
+from .host_memory import HostMemory, worker_pids
 from .identity import detect
 from .loader import LoaderAudit, LoaderTracker, TimedLoader, audit
 from .memory import MemoryReading, default_reader
@@ -49,8 +50,10 @@ from .window import History, StepRecord
 
 log = logging.getLogger("trainpatrol")
 T = TypeVar("T")
-_JUDGED_AT_ONCE = {"nonfinite_loss", "nonfinite_grad", "memory_fragmentation", "oom_risk"}
+_JUDGED_AT_ONCE = {"nonfinite_loss", "nonfinite_grad", "memory_fragmentation", "oom_risk", "host_memory_leak"}
 """Guards whose action never waits for a CPU batch (see ``step``, ``_read_memory``)."""
+CLIPPED_NORM_STEPS = 8
+"""Steps in a row with the very same grad norm that mean it was read after clipping."""
 
 
 class Patrol:
@@ -89,7 +92,7 @@ class Patrol:
         self._on_cpu = self.device.type == "cpu"
         self._rows: list[list[Any]] = []
         """On CPU, steps not yet folded in: [step, end, seconds, loader wait, loss, grad norm, scale,
-        probe seconds] (see ``_absorb_host``)."""
+        learning rate, probe seconds] (see ``_absorb_host``)."""
         self._host_batch = 1
         self._batch_steps = not cfg.guard_actions.keys() - _JUDGED_AT_ONCE
         """Whether CPU steps may wait in a batch: not when a guard judged there may act, as its action
@@ -101,7 +104,9 @@ class Patrol:
         """The last step's param-group learning rates, until ``latest`` takes them."""
         self._audit: LoaderAudit | None = None
         self.loader_tracker = LoaderTracker()
+        self.host_memory = HostMemory(cfg.host_memory_limit_bytes)
         self._best_val = math.inf
+        self.validation_history: deque[dict[str, float]] = deque(maxlen=256)
         self.best_pending: float | None = None
         """A new best validation loss that the next checkpoint is marked with (see ``evaluate``)."""
         self._audit_logged: set[str] = set()
@@ -110,6 +115,7 @@ class Patrol:
         self._probe_since_step = 0.0
         self._last_step_end = time.perf_counter()
         self._last_scale = math.nan
+        self._same_norm, self._same_norm_steps, self._warned_clipped = math.nan, 0, False
         self.state = "running"
         self.actions: deque[ActionRecord] = deque(maxlen=32)
         self.last_checkpoint = ""
@@ -217,6 +223,8 @@ class Patrol:
             if self._hooks is not None and self._hooks.mode != "off":
                 self._hooks.judge(self._hooks.flag(mean_loss, grad_norm))
             rec = self._step_device(mean_loss, grad_norm, scale)
+            if self.latest.learning_rates:
+                rec.learning_rate = self.latest.learning_rates[0]
             rec.probe_seconds = self._probe_since_step + (time.perf_counter() - start)
             self._probe_since_step = 0.0
             return
@@ -224,8 +232,10 @@ class Patrol:
         loss_f = float(mean_loss.item())
         gn_f = dv.ABSENT if grad_norm is None else \
             float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+        lr = learning_rates[0] if learning_rates else self._lrs[0] if self._lrs else math.nan
         row = [t.steps, start, start - self._last_step_end, self._wait_since_step, loss_f, gn_f,
-               1.0 if scale is None else float(scale.item() if isinstance(scale, torch.Tensor) else scale), 0.0]
+               1.0 if scale is None else float(scale.item() if isinstance(scale, torch.Tensor) else scale),
+               float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
         self._last_step_end = start
         self._wait_since_step = 0.0
         rows = self._rows
@@ -286,11 +296,13 @@ class Patrol:
         m = self._memory_reader()
         if m is None:
             return
+        prev = self.latest.memory
+        if prev is not None:
+            m = replace(m, peak_seen=max(prev.peak_seen, prev.peak_allocated))
         rec = self.history.get(step)
         if rec is not None:
             rec.allocated_bytes, rec.reserved_bytes = m.allocated, m.reserved
             rec.fragmentation_ratio = m.fragmentation
-        prev = self.latest.memory
         rose = prev is not None and m.peak_allocated > prev.peak_allocated
         self.latest.window_peak = max(self.history.max("allocated_bytes"), m.peak_allocated if rose else 0.0)
         self.latest.memory = m
@@ -328,8 +340,8 @@ class Patrol:
         hist, step_sum, buckets = t.step_hist, t.step_sum, STEP_DURATION_BUCKETS
         scaler, last, elapsed = self.scaler, rows[-1], 0.0
         for row in rows:
-            step, end, seconds, wait, loss, gn, scale, probe = row
-            rec = StepRecord(step, wall + end, nan, nan, seconds, wait, nan, nan, nan, probe)
+            step, end, seconds, wait, loss, gn, scale, lr, probe = row
+            rec = StepRecord(step, wall + end, nan, nan, seconds, wait, nan, nan, nan, probe, lr)
             add(rec)
             hist[bisect_left(buckets, seconds)] += 1
             step_sum += seconds
@@ -345,6 +357,10 @@ class Patrol:
                 self._trip(tripped)
             rec.loss = loss
             rec.grad_norm = nan if gn == absent else gn
+            if gn > 0 and abs(gn - self._same_norm) <= 1e-5 * gn:  # rare: see _watch_clipped
+                self._watch_clipped(gn)
+            else:
+                self._same_norm, self._same_norm_steps = gn, 1
             if scaler is not None:
                 if scale < self._last_scale:
                     t.amp_skipped += 1
@@ -368,10 +384,25 @@ class Patrol:
         if rec is not None:
             rec.loss, rec.grad_norm = loss, gn_value
         self.latest.loss, self.latest.grad_norm = loss, gn_value
+        if gn_value > 0 and abs(gn_value - self._same_norm) <= 1e-5 * gn_value:
+            self._watch_clipped(gn_value)
+        else:
+            self._same_norm, self._same_norm_steps = gn_value, 1
         if self.scaler is not None:
             if scale < self._last_scale:
                 t.amp_skipped += 1
             self._last_scale = self.latest.loss_scale = scale
+
+    def _watch_clipped(self, norm: float) -> None:
+        """A grad norm that reads the same value (to 1e-5) step after step is the clipped one: ``step()`` was called
+        after ``clip_grad_norm_`` without ``grad_norm=``. Then GradNormExplosion can never fire: say so, once."""
+        self._same_norm_steps += 1
+        if self._same_norm_steps == CLIPPED_NORM_STEPS and not self._warned_clipped:
+            self._warned_clipped = True
+            log.warning("trainpatrol: the grad norm read %.6g on %d steps in a row: it looks clipped (patrol.step() "
+                        "after clip_grad_norm_ reads the clipped gradients). Pass grad_norm=<the total "
+                        "clip_grad_norm_ returns>, or call patrol.step() before clipping, so a blow-up shows.",
+                        norm, CLIPPED_NORM_STEPS)
 
     def _trip(self, tripped: list[tuple[str, str]]) -> None:
         for guard, detail in tripped:
@@ -385,6 +416,7 @@ class Patrol:
         self._absorb_host()
         value = float(val_loss)
         self.latest.validation_loss = value
+        self.validation_history.append({"step": self.totals.steps, "value": value, "time": time.time()})
         if self.config.keep_best_checkpoint and value < self._best_val:
             self._best_val = self.best_pending = value
             self.request("checkpoint", f"new best validation loss {value:.6g}", source="best_validation_loss")
@@ -480,6 +512,7 @@ class Patrol:
         every step so far; from the publisher's, CPU values may be ``readback_lag_seconds`` late, as on CUDA."""
         if self._rows and threading.get_ident() == self._owner:
             self._absorb_host()
+        self._read_host_memory()
         self._seq += 1
         ident = self.identity
         return {
@@ -493,6 +526,15 @@ class Patrol:
             "done_commands": list(self._done),
             "last_checkpoint": self.last_checkpoint, "evidence_dir": self.last_evidence,
         }
+
+    def _read_host_memory(self) -> None:
+        """The rank's and its loader workers' resident sets, judged by the host_memory_leak guard. Read here, as
+        a push is built (on the publisher thread), never in ``step``; a tripped guard's action is a request,
+        carried out by the training thread at its next boundary."""
+        reading = self.host_memory.read(worker_pids(self.loader_tracker.iterator()))
+        if reading is not None:
+            self.latest.host_memory = reading
+            self._trip(self.guards.check_host_memory(reading))
 
     def config_dict(self) -> dict[str, Any]:
         d = asdict(self.config)

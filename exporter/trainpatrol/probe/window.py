@@ -22,6 +22,8 @@ class StepRecord:
     reserved_bytes: float = math.nan
     fragmentation_ratio: float = math.nan
     probe_seconds: float = 0.0
+    learning_rate: float = math.nan
+    """The first param group's, as the step used it."""
 
 
 def finite(values: list[float]) -> list[float]:

@@ -38,13 +38,23 @@ BUILTIN = {
         "Look for the loss rising with the grad norm; clip gradients (clip_grad_norm_) or lower the learning rate.",
     ],
     "memory_fragmentation": [
-        "Reserved far above allocated: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or avoid "
-        "variable-size batches.",
+        "Reserved memory stayed unusable even at the allocation peak, or the allocator had to free its cache and "
+        "retry: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or pad batches to a few fixed sizes.",
         "`trainpatrol empty-cache RUN` returns cached blocks, at the cost of slower allocations afterwards.",
     ],
     "oom_risk": [
         "Allocated memory is close to the device's capacity: lower the micro-batch size, turn on activation "
         "checkpointing, or shard optimizer state.",
+    ],
+    "host_memory_leak": [
+        "The rank's host memory (with what its DataLoader workers added) grew steadily toward its limit, or came "
+        "close to it; the kernel's OOM killer ends a rank with SIGKILL and leaves no evidence, so this was written "
+        "first. The reason above gives the rate and the time left.",
+        "Look for a list or dict that keeps tensors across steps: outputs or losses kept with their graphs "
+        "(keep `.detach()` or `.item()`), metrics gathered for an epoch, evaluation run without torch.no_grad().",
+        "Growth in the workers (trainpatrol_dataloader_worker_resident_bytes) points at the dataset: a cache "
+        "that grows, or Python lists touched by every worker; set host_memory_limit_bytes to the rank's budget "
+        "when several ranks share one cgroup unevenly.",
     ],
     "oom": [
         "The run ran out of device memory. Read the memory summary below, and the snapshot if recording was on.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ def happened(bundle: Bundle, inc: Incident) -> str:
     if inc.findings:
         rows = [(f.field.replace("_", " "), str(f.rank), f.label, _steps(f.steps)) for f in inc.findings]
         out.append("<h3>Non-finite values in the history</h3>" + table(("value", "rank", "first", "steps"), rows))
+    out.append(_guard_trips_and_validation(bundle))
     if inc.alert:
         out.append(_alert(inc.alert))
     rows = [(str(r), o or "(not recorded)", d, c) for r, o, d, c in inc.outcomes]
@@ -69,6 +71,30 @@ def happened(bundle: Bundle, inc: Incident) -> str:
         out.append("<h3>Outcome on each rank</h3>" + table(("rank", "outcome", "detail", "checkpoint"), rows))
     out.append(_versions(bundle))
     return "".join(out)
+
+
+def _guard_trips_and_validation(bundle: Bundle) -> str:
+    """Rank 0's latest guard trips and validation losses, the context the log alone held before."""
+    if not bundle.ranks:
+        return ""
+    extra, out = bundle.ranks[0].extra, []
+    trips = [t for t in extra.get("guard_trips") or [] if isinstance(t, dict)][-12:]
+    if trips:
+        rows = [(_clock(t.get("time")), str(t.get("guard", "")), str(t.get("detail", ""))) for t in trips]
+        out.append(f"<h3>Guard trips (rank {bundle.ranks[0].rank}, latest {len(rows)})</h3>"
+                   + table(("time (UTC)", "guard", "detail"), rows))
+    vals = [v for v in extra.get("validation_history") or [] if isinstance(v, dict)][-12:]
+    if vals:
+        best = min(float(v.get("value", math.inf)) for v in vals)
+        losses = [(str(v.get("step", "")), f"{float(v.get('value', math.nan)):.6g}"
+                   + (" (best)" if v.get("value") == best else "")) for v in vals]
+        out.append(f"<h3>Validation loss (rank {bundle.ranks[0].rank})</h3>"
+                   + table(("step", "validation loss"), losses))
+    return "".join(out)
+
+
+def _clock(t: Any) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(float(t))) if isinstance(t, int | float) else ""
 
 
 def _checkpoint_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:

@@ -47,11 +47,12 @@ def _wait_ratio(part: RankPart) -> list[float | None]:
 PANELS = (
     Panel("loss", "loss", "", _field("loss")),
     Panel("grad_norm", "grad norm", "", _field("grad_norm")),
+    Panel("learning_rate", "learning rate", "param group 0", _field("learning_rate")),
     Panel("step_seconds", "step time", "s", _field("step_seconds")),
     Panel("loader_wait_ratio", "loader wait ratio", "wait / step", _wait_ratio),
     Panel("allocated", "allocated", "GiB", _field("allocated_bytes", GIB), connect_samples=True),
     Panel("reserved", "reserved", "GiB", _field("reserved_bytes", GIB), connect_samples=True),
-    Panel("fragmentation", "fragmentation", "(reserved - allocated) / reserved", _field("fragmentation_ratio"),
+    Panel("fragmentation", "fragmentation", "unusable at peak / reserved", _field("fragmentation_ratio"),
           connect_samples=True),
 )
 
