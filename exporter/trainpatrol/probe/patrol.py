@@ -53,7 +53,7 @@ T = TypeVar("T")
 _JUDGED_AT_ONCE = {"nonfinite_loss", "nonfinite_grad", "memory_fragmentation", "oom_risk", "host_memory_leak"}
 """Guards whose action never waits for a CPU batch (see ``step``, ``_read_memory``)."""
 CLIPPED_NORM_STEPS = 8
-"""Steps in a row with the very same grad norm that mean it was read after clipping."""
+"""Steps in a row with the same grad norm (to 1e-5) that mean it was read after clipping."""
 
 
 class Patrol:
