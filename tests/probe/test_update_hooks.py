@@ -69,3 +69,18 @@ def test_optimizers_that_cannot_skip_without_a_sync_are_named_off() -> None:
     assert skip_mode(torch.optim.SGD(model.parameters(), lr=0.1, fused=True)) == "found_inf"
     meta = torch.nn.Linear(4, 1, device="meta")
     assert skip_mode(torch.optim.SGD(meta.parameters(), lr=0.1)) == "off"
+
+
+@pytest.mark.parametrize(("row", "flag"), [
+    ([1.5, 0.3, 1.0], 0.0), ([1.5, -1.0, 1.0], 0.0), ([math.nan, 0.3, 1.0], 1.0), ([1.5, math.inf, 1.0], 1.0),
+    ([-math.inf, -1.0, 65536.0], 1.0),
+])
+def test_the_flag_of_a_row_of_step_values_is_one_exactly_when_one_is_not_finite(row: list[float],
+                                                                                flag: float) -> None:
+    _, opt = fused_adam()
+    hooks = UpdateHooks(opt, skip=True, after_step=lambda: None)
+    values = torch.tensor(row, dtype=torch.float64)
+    for _ in range(2):  # the buffer is reused: a verdict never sticks
+        assert hooks.flag_of_row(values).item() == flag
+        assert hooks.flag_of_row(torch.tensor([1.0, 2.0, 1.0], dtype=torch.float64)).item() == 0.0
+    torch.testing.assert_close(values, torch.tensor(row, dtype=torch.float64), equal_nan=True)  # left as it was

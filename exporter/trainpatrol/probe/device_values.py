@@ -54,8 +54,9 @@ class DeviceValues:
         t = t.detach().reshape(())
         return t if t.device == self.device else t.to(self.device)
 
-    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None, scale: torch.Tensor | None) -> None:
-        """Write one step's row (call ``flush`` before ``ROWS`` rows are filled)."""
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
+               scale: torch.Tensor | None) -> torch.Tensor:
+        """Write one step's row and return it (call ``flush`` before ``ROWS`` rows are filled)."""
         if grad_norm is None:
             gn = self._absent
         elif isinstance(grad_norm, torch.Tensor):
@@ -63,8 +64,10 @@ class DeviceValues:
         else:
             gn = torch.full((), float(grad_norm), dtype=torch.float64, device=self.device)
         sc = self._one if scale is None else self._scalar(scale)
-        torch.stack([self._scalar(loss), gn, sc], out=self._rows[self.filled])
+        row = self._rows[self.filled]
+        torch.stack([self._scalar(loss), gn, sc], out=row)
         self.filled += 1
+        return row
 
     def flush(self) -> tuple[int, torch.Tensor]:
         """Returns (filled rows, the buffer to copy to the host) and starts a new batch."""

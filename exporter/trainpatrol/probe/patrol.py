@@ -220,8 +220,6 @@ class Patrol:
                 lrs.append(group.get("lr"))
             self._lrs = lrs
         if not self._on_cpu:
-            if self._hooks is not None and self._hooks.mode != "off":
-                self._hooks.judge(self._hooks.flag(mean_loss, grad_norm))
             rec = self._step_device(mean_loss, grad_norm, scale)
             if self.latest.learning_rates:
                 rec.learning_rate = self.latest.learning_rates[0]
@@ -266,7 +264,9 @@ class Patrol:
                      scale: torch.Tensor | None) -> StepRecord:
         """One step's values into the device ring; its record is made now, its values read back later."""
         t = self.totals
-        self._values.record(mean_loss, grad_norm, scale)
+        row = self._values.record(mean_loss, grad_norm, scale)
+        if self._hooks is not None and self._hooks.mode != "off":  # the row just written holds loss and grad norm
+            self._hooks.judge(self._hooks.flag_of_row(row))
         now = time.perf_counter()
         rec = self.history.record(t.steps, time.time())
         rec.step_seconds = now - self._last_step_end

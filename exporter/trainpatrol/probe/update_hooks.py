@@ -72,6 +72,7 @@ class UpdateHooks:
         """Set when the loss is recorded only after the step (framework callbacks): ``judge`` is then ignored."""
         self._verdict: Verdict | None = None
         self._flag: torch.Tensor | None = None
+        self._one = torch.ones(())
         self._saved_found_inf: Any = _ABSENT
         self._set_found_inf = False
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -83,9 +84,24 @@ class UpdateHooks:
     def flag(self, value: torch.Tensor, extra: torch.Tensor | float | None = None) -> torch.Tensor:
         """The device verdict for ``value`` (and ``extra``), in a buffer reused every step: the kernel that
         reads it runs before the next step writes it, on the same stream."""
-        if self._flag is None or self._flag.device != value.device:
-            self._flag = torch.zeros((), dtype=torch.float32, device=value.device)
-        return nonfinite_flag(value, extra, self._flag)
+        return nonfinite_flag(value, extra, self._buffer(value.device))
+
+    def flag_of_row(self, row: torch.Tensor) -> torch.Tensor:
+        """The device verdict for a row of step values (loss, grad norm, loss scale): one check kernel, the
+        same GradScaler uses (it multiplies by 1.0, so the row is unchanged), after zeroing the flag."""
+        out = self._buffer(row.device)
+        out.zero_()
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_([row], out, self._one)
+        except (AttributeError, RuntimeError):  # private API: fall back to the public ops
+            return nonfinite_flag(row.sum(), None, out)
+        return out
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        if self._flag is None or self._flag.device != device:
+            self._flag = torch.zeros((), dtype=torch.float32, device=device)
+            self._one = torch.ones((), dtype=torch.float32, device=device)
+        return self._flag
 
     def judge(self, skip: Verdict) -> None:
         """The verdict on the step about to be applied (``Patrol.step``, before ``optimizer.step()``)."""
