@@ -59,7 +59,7 @@ def test_fragmentation_counts_only_what_stayed_unusable_at_the_peak(tmp_path: Pa
     assert m is not None
     assert (reserved - stats["allocated_bytes.all.current"]) / reserved > 0.3  # what the old ratio read
     assert m.unusable_at_peak == pytest.approx(max(0.0, reserved - peak), abs=2**20)
-    assert m.fragmentation == pytest.approx(m.unusable_at_peak / reserved, abs=1e-9) and m.fragmentation < 0.05
+    assert m.fragmentation == pytest.approx(m.unusable_at_peak / reserved, abs=1e-9) and m.fragmentation < 0.1
     assert m.inactive_split == pytest.approx(stats["inactive_split_bytes.all.current"], abs=2**20)
     assert m.inactive_split > 0  # the raw number is kept
     patrol.close()
