@@ -30,14 +30,14 @@ ALERTS: tuple[str, ...] = (
 DEFAULT_FOR: dict[str, str] = {
     "NonFiniteLoss": "0s",  # increase() over a window already holds every NaN; act at once
     "NonFiniteGrad": "0s",
-    "GradNormExplosion": "1m",  # a single clipped spike is not worth a pause; NaN alerts catch the rest
+    "GradNormExplosion": "15s",  # measured: see alerting/README.md, "Durations from measurements"
     "LossSpike": "0s",  # spikes are short by nature and the action (capture) is cheap
     "LossStagnation": "30m",
-    "ValLossDiverging": "15m",
+    "ValLossDiverging": "10m",  # the validation loss stays above its best this long: sustained, not one noisy eval
     "MemoryFragmentationHigh": "10m",  # seeds: 10 m
     "AllocRetries": "10m",
     "OOMRisk": "5m",
-    "DataLoaderBound": "10m",  # seeds: 10 m
+    "DataLoaderBound": "3m",  # over a 2m window; measured: see alerting/README.md
     "GPUUnderutilized": "15m",
     "RankStalled": "5m",
     "RankDown": "1m",
@@ -96,16 +96,24 @@ class Config:
 
     # Validation loss (the seeds' early-stop row).
     val_loss_rise_ratio: float = 0.02
-    """Divergence: the validation loss is this fraction above its best within ``val_loss_best_window``."""
+    """Divergence: the validation loss is this fraction above the best (lowest) it reached within
+    ``val_loss_best_window``, the run's lifetime for most runs, for the whole ``for:`` duration..."""
     val_loss_best_window: str = "6h"
-    train_loss_trend_window: str = "30m"
-    """Training loss "falls": its mean over this window is below the same mean one offset earlier."""
-    train_loss_trend_offset: str = "1h"
+    train_loss_trend_window: str = "15m"
+    """...while the training loss falls: ``deriv()`` of the run's mean training loss over this window
+    is negative at every evaluation of the same stretch."""
     val_loss_diverging_action: Literal["checkpoint", "stop"] = "checkpoint"
 
     # CUDA memory.
     fragmentation_ratio: float = 0.35  # seeds
+    """Fragmentation: this share of the reserved bytes stayed unusable even at the allocation peak
+    (``trainpatrol_cuda_memory_fragmentation_ratio``: healthy GPT-2-124M bf16 on an H200 reads
+    0.01-0.03 with 16.8 GiB reserved; a fragmented workload 0.3-0.6)..."""
     fragmentation_min_reserved_bytes: int = 4 * GIB  # seeds: fragmentation only matters when much is cached
+    fragmentation_retrying_ratio: float = 0.2
+    """...or this share while the allocator keeps retrying cudaMalloc (any retry within
+    ``alloc_retries_window``, at every evaluation of the ``for:``): fragmentation that already costs
+    steps, whatever the amount reserved."""
     alloc_retries_window: str = "10m"
     alloc_retries_threshold: float = 1.0
     """AllocRetries: more than this many cudaMalloc retries in every window, for the ``for:`` duration."""
@@ -113,6 +121,7 @@ class Config:
 
     # Data loading, utilisation, stragglers.
     loader_wait_ratio: float = 0.3  # seeds
+    """DataLoaderBound: loader wait over step time within 2m (the recording rule's fixed window)."""
     gpu_underutilized_ratio: float = 0.5
     gpu_underutilized_window: str = "15m"
     straggler_ratio: float = 1.2
@@ -175,7 +184,6 @@ FAST = dataclasses.replace(
     loss_stagnation_history="2m",
     val_loss_best_window="5m",
     train_loss_trend_window="30s",
-    train_loss_trend_offset="30s",
     alloc_retries_window="1m",
     gpu_underutilized_window="1m",
     stall_min_seconds=10.0,

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import INSTANCE, RANK, RANK_ON, RUN, Alert, Group, num, sel
+from .promql import INSTANCE, RANK, RANK_ON, RUN, Alert, Group, num, sel, unless_halted
 
 
 def group(cfg: Config) -> Group:
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
-    # The usual step time is the rank's lifetime mean: it never goes NaN during a long stall,
-    # unlike a rate over a window that the stall has emptied.
+    # Stalled: the rank still pushes, but its step counter has not moved for 20 mean step times
+    # (its lifetime mean, which a long stall cannot empty, unlike a rate) and at least 5 minutes.
+    # The stall is measured between the agent's two timestamps, the last push and the last step
+    # advance, not from now: a rank that stops pushing (SIGKILL, a crash) freezes both, so it never
+    # reads as stalled while the agent still counts it up for its liveness TTL; once the TTL passes
+    # it is down, which is RankDown's business. A rank that pauses, stops or closes on purpose, or
+    # did so within the stall minimum (a resume steps again within that), is left out.
+    stall_window = f"{num(cfg.stall_min_seconds)}s"
     stalled = (
-        f"(time() - ({s('trainpatrol_rank_last_step_timestamp_seconds')} > 0))\n"
+        "(\n"
+        f"  {s('trainpatrol_rank_last_push_timestamp_seconds')}\n"
+        f"  - on ({RANK_ON})\n"
+        f"  ({s('trainpatrol_rank_last_step_timestamp_seconds')} > 0)\n"
+        ")\n"
         f"> on ({RANK_ON})\n"
         "clamp_min(\n"
         f"  {num(cfg.stall_factor)} * {s('trainpatrol_step_duration_seconds_sum')}\n"
@@ -22,7 +32,7 @@ def group(cfg: Config) -> Group:
         f"  {num(cfg.stall_min_seconds)}\n"
         ")\n"
         f"and on ({RANK_ON})\n({s('trainpatrol_rank_up')} == 1)\n"
-        f"unless on ({RANK_ON})\n({s('trainpatrol_paused')} == 1)"
+        + unless_halted(RANK_ON, stall_window)
     )
     # A rank that closed or stopped on purpose is not down.
     finished = s("trainpatrol_rank_state", 'state=~"closed|stopped"')

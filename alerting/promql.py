@@ -17,6 +17,11 @@ RUN_ON = "job, run"
 RANK_INFO = "instance_uuid:trainpatrol_rank_info:topk1_live"
 """One rank per GPU (a live one first), with ``uuid`` copied from ``gpu_uuid``: the join table."""
 
+HALTED_STATES = ("pausing", "paused", "stopping", "stopped", "closed")
+"""``trainpatrol_rank_state`` values of a rank that is not training on purpose."""
+RANK_HALTED = "run_rank:trainpatrol_rank_state:halted"
+"""1 for each rank that is pausing, paused, stopping, stopped or closed, or down (``rank_up`` 0)."""
+
 # Annotation template pieces (Go templates, rendered by Prometheus).
 RUN = "{{ $labels.run }}"
 RANK = "{{ $labels.rank }}"
@@ -107,6 +112,15 @@ def increased(cfg: Config, counter: str, window: str, threshold: float = 0) -> s
         f"increase({counter}[{window}]) > {t}\n"
         f"or\n(\n  {counter} > {t}\n  unless\n  last_over_time({counter}[{cfg.new_series_history}] offset {window})\n)"
     )
+
+
+def unless_halted(on: str, window: str) -> str:
+    """The clause that drops what a halted rank (``RANK_HALTED``) says, now or within ``window``:
+    by the rank itself (``on`` = ``RANK_ON``) or by its whole run (``on`` = ``RUN_ON``). Liveness and
+    progress alerts judge only ranks that train: a paused, stopping, stopped, closed or dead rank
+    makes no progress on purpose or is RankDown's business, and a rate over ``window`` still holds
+    its last steps for that long."""
+    return f"unless on ({on})\n  max_over_time({RANK_HALTED}[{window}])"
 
 
 def on_rank(gpu_expr: str) -> str:

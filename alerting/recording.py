@@ -1,16 +1,34 @@
 """Recording rules: per-rank and per-run aggregates that alerts and dashboards share.
 
 Names follow ``level:metric:operations`` (level ``run`` = by job and run, ``run_rank`` = one series
-per rank, ``instance_uuid`` = one per GPU). Windows are fixed at 5 m in every profile, so a name
-never lies about its window.
+per rank, ``instance_uuid`` = one per GPU). Windows are fixed in every profile and named (5 m; 2 m for
+the loader ratio TrainPatrolDataLoaderBound reads), so a name never lies about its window.
+
+A ratio is defined only where its denominator is positive: each divisor is filtered with ``> 0``, so
+a ratio is absent, never NaN or +Inf, before a rank's first step completes, while it does not step,
+or on a device that reports no capacity (+Inf passes every ``>`` threshold: it made
+TrainPatrolDataLoaderBound pending at every run start).
 """
 
 from __future__ import annotations
 
 from .config import Config
-from .promql import GPU_ON, RANK_INFO, RANK_ON, RUN_ON, Group, Recording, indent, on_rank, sel
+from .promql import (
+    GPU_ON,
+    HALTED_STATES,
+    RANK_HALTED,
+    RANK_INFO,
+    RANK_ON,
+    RUN_ON,
+    Group,
+    Recording,
+    indent,
+    on_rank,
+    sel,
+)
 
 LOADER_WAIT_RANK = "run_rank:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
+LOADER_WAIT_RANK_2M = "run_rank:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate2m"
 LOADER_WAIT_RUN = "run:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
 STEP_MEAN_RANK = "run_rank:trainpatrol_step_duration_seconds:mean5m"
 STEP_MEDIAN_RUN = "run:trainpatrol_step_duration_seconds:median_mean5m"
@@ -25,29 +43,47 @@ def group(cfg: Config) -> Group:
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
+    def ratio_by_rank(num: str, den: str, window: str = "5m") -> str:
+        return f"rate({s(num)}[{window}])\n/ on ({RANK_ON})\n(rate({s(den)}[{window}]) > 0)"
+
     def ratio_by_run(num: str, den: str) -> str:
         return (
             f"sum by ({RUN_ON}) (rate({s(num)}[5m]))\n/ on ({RUN_ON})\n"
-            f"sum by ({RUN_ON}) (rate({s(den)}[5m]))"
+            f"(sum by ({RUN_ON}) (rate({s(den)}[5m])) > 0)"
         )
 
     def run_rate(metric: str, agg: str = "sum") -> str:
         return f"{agg} by ({RUN_ON}) (rate({s(metric)}[5m]))"
 
-    def run_quantile(q: float) -> str:
+    def run_quantile(q: float) -> str:  # interpolates within the buckets: NaN where no step completed
         return (
-            f"histogram_quantile({q}, sum by ({RUN_ON}, le) "
-            f"(rate({s('trainpatrol_step_duration_seconds_bucket')}[5m])))"
+            f"histogram_quantile(\n  {q},\n"
+            f"  sum by ({RUN_ON}, le) (rate({s('trainpatrol_step_duration_seconds_bucket')}[5m]))\n"
+            f"  and on ({RUN_ON})\n"
+            f"  (sum by ({RUN_ON}) (rate({s('trainpatrol_step_duration_seconds_count')}[5m])) > 0)\n)"
         )
 
     with_gpu = s("trainpatrol_rank_info", 'gpu_uuid!=""')
     rank_info = f'label_replace({with_gpu}, "uuid", "$1", "gpu_uuid", "(.+)")'
+    halted_state = s("trainpatrol_rank_state", 'state=~"' + "|".join(HALTED_STATES) + '"')
     rules = (
-        # Time waiting for data over step time: above about 0.3 the GPU starves.
+        # Ranks that do not train on purpose (or are gone): liveness and progress alerts skip them.
+        Recording(
+            RANK_HALTED,
+            f"max by ({RANK_ON}) (\n"
+            f"  {halted_state} == 1\n  or\n"
+            f"  {s('trainpatrol_paused')} == 1\n  or\n"
+            f"  1 - {s('trainpatrol_rank_up')} > 0\n)",
+        ),
+        # Time waiting for data over step time: above about 0.3 the GPU starves. The 2m ratio is the
+        # one TrainPatrolDataLoaderBound reads (alerting/README.md: chosen from measurements).
+        Recording(
+            LOADER_WAIT_RANK_2M,
+            ratio_by_rank("trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum", "2m"),
+        ),
         Recording(
             LOADER_WAIT_RANK,
-            f"rate({s('trainpatrol_loader_wait_seconds_total')}[5m])\n/ on ({RANK_ON})\n"
-            f"rate({s('trainpatrol_step_duration_seconds_sum')}[5m])",
+            ratio_by_rank("trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum"),
         ),
         Recording(
             LOADER_WAIT_RUN,
@@ -62,12 +98,11 @@ def group(cfg: Config) -> Group:
         Recording("run:trainpatrol_step_duration_seconds:p90_rate5m", run_quantile(0.9)),
         Recording(
             STEP_MEAN_RANK,
-            f"rate({s('trainpatrol_step_duration_seconds_sum')}[5m])\n/ on ({RANK_ON})\n"
-            f"rate({s('trainpatrol_step_duration_seconds_count')}[5m])",
+            ratio_by_rank("trainpatrol_step_duration_seconds_sum", "trainpatrol_step_duration_seconds_count"),
         ),
         Recording(STEP_MEDIAN_RUN, f"quantile by ({RUN_ON}) (0.5, {STEP_MEAN_RANK})"),
         # The straggler ratio: 1 is the run's median rank; 1.5 is half as slow again.
-        Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({RUN_ON}) group_left ()\n{STEP_MEDIAN_RUN}"),
+        Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({RUN_ON}) group_left ()\n({STEP_MEDIAN_RUN} > 0)"),
         # The join table from GPUs to ranks. topk keeps it unique per GPU, so a finished run's
         # lingering series or two ranks on one GPU cannot break a join; a live rank wins.
         Recording(
@@ -84,7 +119,7 @@ def group(cfg: Config) -> Group:
         Recording(
             PEAK_USED_RANK,
             f"{s('trainpatrol_cuda_memory_peak_allocated_bytes')}\n/ on ({RANK_ON})\n"
-            f"{s('trainpatrol_cuda_memory_capacity_bytes')}",
+            f"({s('trainpatrol_cuda_memory_capacity_bytes')} > 0)",
         ),
         Recording(LOSS_RUN, f"avg by ({RUN_ON}) ({s('trainpatrol_loss_window_mean')})"),
         Recording(VAL_LOSS_RUN, f"avg by ({RUN_ON}) ({s('trainpatrol_validation_loss')})"),

@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import GPU, INSTANCE, PERCENT, RANK, RANK_ON, RUN, UUID, VALUE, Alert, Group, num, on_rank, sel
-from .recording import LOADER_WAIT_RANK, STRAGGLER_RATIO
+from .promql import (
+    GPU,
+    INSTANCE,
+    PERCENT,
+    RANK,
+    RANK_ON,
+    RUN,
+    RUN_ON,
+    UUID,
+    VALUE,
+    Alert,
+    Group,
+    num,
+    on_rank,
+    sel,
+    unless_halted,
+)
+from .recording import LOADER_WAIT_RANK_2M, STRAGGLER_RATIO
 
 
 def group(cfg: Config) -> Group:
@@ -17,16 +33,22 @@ def group(cfg: Config) -> Group:
             f"avg_over_time({s('trainpatrol_gpu_utilization_ratio')}[{w}]) < {num(cfg.gpu_underutilized_ratio)}"
         )
         + f"\nand on ({RANK_ON})\n({s('trainpatrol_rank_up')} == 1)"
-        # A paused run idles its GPUs on purpose.
-        + f"\nunless on ({RANK_ON})\n(max_over_time({s('trainpatrol_paused')}[{w}]) == 1)"
+        # A paused, stopping or closed run idles its GPUs on purpose.
+        + "\n" + unless_halted(RUN_ON, w)
     )
+    # Every throughput ratio judges a run that trains: none while any rank of it is paused, stopping,
+    # stopped, closed or down, nor for as long as the ratio's window still holds such a time.
+    loader = f"{LOADER_WAIT_RANK_2M} > {num(cfg.loader_wait_ratio)}\n" + unless_halted(RUN_ON, "2m")
+    straggler = f"{STRAGGLER_RATIO} > {num(cfg.straggler_ratio)}\n" + unless_halted(RUN_ON, "5m")
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
     rules = (
         Alert(
-            "DataLoaderBound", f"{LOADER_WAIT_RANK} > {num(cfg.loader_wait_ratio)}", "warning",
+            "DataLoaderBound", loader, "warning",
             "Training waits for the data loader.",
-            f"{who} spends {PERCENT} of its step time waiting for the next batch (mean over 5m; "
-            f"threshold {num(cfg.loader_wait_ratio * 100)}%).",
+            f"{who} spends {PERCENT} of its step time waiting for the next batch (over the last 2m; "
+            f"threshold {num(cfg.loader_wait_ratio * 100)}%). trainpatrol captures evidence: the all-thread "
+            "stacks show where the input pipeline waits.",
+            action="capture",
         ),
         Alert(
             "GPUUnderutilized", idle, "info",
@@ -35,7 +57,7 @@ def group(cfg: Config) -> Group:
             f"of the time over the last {w} (threshold {num(cfg.gpu_underutilized_ratio * 100)}%).",
         ),
         Alert(
-            "Straggler", f"{STRAGGLER_RATIO} > {num(cfg.straggler_ratio)}", "warning",
+            "Straggler", straggler, "warning",
             "A rank is slower than the rest of its run.",
             f"{who} takes {VALUE} times the run's median step time (means over 5m; threshold "
             f"{num(cfg.straggler_ratio)}).",

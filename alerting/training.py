@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import COUNT, INSTANCE, RANK, RANK_ON, RUN, RUN_ON, VALUE, Alert, Group, increased, indent, num, sel
+from .promql import (
+    COUNT,
+    INSTANCE,
+    RANK,
+    RANK_ON,
+    RUN,
+    RUN_ON,
+    VALUE,
+    Alert,
+    Group,
+    increased,
+    indent,
+    num,
+    sel,
+    unless_halted,
+)
 from .recording import LOSS_RUN, STEP_RATE_RUN, VAL_LOSS_RUN
 
 
@@ -46,20 +61,28 @@ def group(cfg: Config) -> Group:
         + f"\nand on ({RANK_ON})\n  quantile_over_time(0.5, {s('trainpatrol_loss_window_max')}[{lw}]) > 0"
     )
 
+    # The step rate is a 5m rate: it stays above 0 for 5 minutes after the last step, so a run
+    # that paused, stopped or closed is left out for as long.
     stagnation_expr = (
         f"min_over_time({LOSS_RUN}[{cfg.loss_stagnation_window}])\n"
         f">= on ({RUN_ON})\n"
         f"min_over_time({LOSS_RUN}[{cfg.loss_stagnation_history}] offset {cfg.loss_stagnation_window})\n"
-        f"and on ({RUN_ON})\n{STEP_RATE_RUN} > 0"
+        f"and on ({RUN_ON})\n{STEP_RATE_RUN} > 0\n"
+        + unless_halted(RUN_ON, "5m")
     )
 
-    tw, to = cfg.train_loss_trend_window, cfg.train_loss_trend_offset
+    # Over-fitting: the validation loss is above the best this run reached (lowest within the best
+    # window), at every evaluation of the for: duration, while the training loss falls (its
+    # least-squares slope over the trend window is negative). The for: is what makes the rise
+    # sustained; nothing waits for an hour of history, so a run that over-fits from step 40 is seen
+    # within minutes of it.
+    tw = cfg.train_loss_trend_window
     val_expr = (
         f"{VAL_LOSS_RUN}\n"
         f"> on ({RUN_ON})\n"
         f"  {num(1 + cfg.val_loss_rise_ratio)} * min_over_time({VAL_LOSS_RUN}[{cfg.val_loss_best_window}])\n"
-        f"and on ({RUN_ON})\n  avg_over_time({LOSS_RUN}[{tw}])\n"
-        f"  < on ({RUN_ON})\n  avg_over_time({LOSS_RUN}[{tw}] offset {to})"
+        f"and on ({RUN_ON})\n  deriv({LOSS_RUN}[{tw}]) < 0\n"
+        + unless_halted(RUN_ON, tw)
     )
 
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
@@ -103,9 +126,9 @@ def group(cfg: Config) -> Group:
         Alert(
             "ValLossDiverging", val_expr, "warning",
             "The validation loss rises while the training loss falls.",
-            f"Run {RUN}: the validation loss ({VALUE}) is more than {num(cfg.val_loss_rise_ratio * 100)}% "
-            f"above its best of the last {cfg.val_loss_best_window} while the training loss keeps falling: "
-            f"the model is overfitting. trainpatrol asks the run to {cfg.val_loss_diverging_action}.",
+            f"Run {RUN}: the validation loss ({VALUE}) has stayed more than {num(cfg.val_loss_rise_ratio * 100)}% "
+            f"above the best of the last {cfg.val_loss_best_window} while the training loss kept falling "
+            f"(over {tw}): the model is overfitting. trainpatrol asks the run to {cfg.val_loss_diverging_action}.",
             action=cfg.val_loss_diverging_action,
         ),
     )

@@ -89,11 +89,12 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "Fragmentation",
-        "Is the caching allocator wasting reserved memory? Highest (reserved - allocated) / reserved "
-        "over ranks.",
+        "Is the caching allocator wasting reserved memory? Highest share of reserved bytes that stayed "
+        "unusable even at the allocation peak, over ranks (healthy: a few percent).",
         f"max by (run) (trainpatrol_cuda_memory_fragmentation_ratio{{{RANK}}})",
-        "percentunit", ((None, GREEN), (0.25, YELLOW), (0.35, RED)),
-        "below 35 % (the alert fires above 35 % with more than 4 GiB reserved)",
+        "percentunit", ((None, GREEN), (0.2, YELLOW), (0.35, RED)),
+        "below 20 % (the alert fires above 35 % with more than 4 GiB reserved, or above 20 % while "
+        "cudaMalloc retries)",
         "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or send empty_cache; look for tensors "
         "whose shapes vary from step to step.",
         ("TrainPatrolMemoryFragmentationHigh",),

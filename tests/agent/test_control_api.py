@@ -247,3 +247,48 @@ def test_an_action_for_a_run_no_live_rank_serves_is_refused_and_nothing_queued(
     # the refusals are documented
     responses = client.get("/openapi.json").json()["paths"]["/v1/runs/{run}/actions"]["post"]["responses"]
     assert {"202", "404", "409"} <= set(responses)
+
+
+@pytest.mark.parametrize("ranks", [
+    (),  # no rank of the run ever pushed here (and no peer to forward to)
+    ("closed", "closed"),
+    ("stopped", "closed"),
+    ("running", "running"),  # both pushed last longer ago than the liveness TTL: down (a SIGKILL)
+], ids=["unknown", "closed", "stopped", "down"])
+def test_a_webhook_alert_for_a_run_without_a_live_rank_queues_nothing_and_answers_2xx(
+        ranks: tuple[str, ...]) -> None:
+    """Alertmanager must not retry (2xx), the command must not wait for a rank that never comes, and
+    the outcome is counted in trainpatrol_webhook_alerts_total{outcome="no_live_rank"}."""
+    clock = Clock(T0)
+    agent = Agent(AgentConfig(token=TOKEN, nvml=False, rank_up_ttl_seconds=15.0).load(), clock=clock)
+    client = TestClient(agent.app)
+    for rank, state in enumerate(ranks):
+        assert push(client, "ended", rank, state=state).status_code == 200
+    clock.now = T0 + 16
+    r = client.post("/v1/alertmanager", json=payload(alert(run="ended", action="capture")), headers=AUTH)
+    assert r.status_code == 202, r.text
+    [result] = r.json()["results"]
+    assert result["outcome"] == "no_live_rank"
+    assert result["detail"] == "no live rank of run ended on this agent"
+    assert agent.store.pending("ended") == [] and agent.stats.commands == {}
+    assert agent.stats.alerts["no_live_rank"] == 1 and agent.stats.alerts["act"] == 0
+    metrics = client.get("/metrics", headers=AUTH).text
+    assert 'trainpatrol_webhook_alerts_total{outcome="no_live_rank"} 1.0' in metrics.splitlines()
+    # not marked seen: the same alert, sent again once a rank of the run is live, acts
+    assert push(client, "ended", 0, state="running").status_code == 200
+    again = client.post("/v1/alertmanager", json=payload(alert(run="ended", action="capture")), headers=AUTH)
+    assert again.status_code == 202 and again.json()["results"][0]["outcome"] == "act"
+    assert [c.action for c in agent.store.pending("ended")] == ["capture"]
+
+
+def test_a_webhook_alert_acts_for_a_paused_run_and_skips_only_the_alerts_without_a_live_rank() -> None:
+    agent, client = make_agent()
+    push(client, "live", 0, state="paused")  # a paused rank pushes on and hears commands: live
+    push(client, "gone", 0, state="closed")
+    r = client.post("/v1/alertmanager", headers=AUTH, json=payload(
+        alert(run="live", action="checkpoint", fp="a1"), alert(run="gone", action="checkpoint", fp="a2")))
+    assert r.status_code == 202
+    assert [x["outcome"] for x in r.json()["results"]] == ["act", "no_live_rank"]
+    assert [c.action for c in agent.store.pending("live")] == ["checkpoint"] and agent.store.pending("gone") == []
+    # the per-alert outcomes are kept for GET /v1/alerts as well
+    assert [a["outcome"] for a in client.get("/v1/alerts", headers=AUTH).json()["alerts"]] == ["act", "no_live_rank"]

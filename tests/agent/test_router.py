@@ -195,6 +195,7 @@ def test_forwarded_by_instance_label_pauses_the_rank(cluster: Cluster, tmp_path:
 def test_forwarded_by_run_lookup_never_to_a_stranger(cluster: Cluster) -> None:
     """The instance label names a server that is not a peer: the router asks its peers instead."""
     a2, a3 = cluster.urls["a2"], cluster.urls["a3"]
+    push_rank(a2, "B")  # live: pushed within the liveness TTL
     before = {name: counters(url) for name, url in cluster.urls.items()}
     a = alert("B", instance=cluster.spy.addr)
     reply = post_alert(cluster.urls["router"], a)
@@ -210,6 +211,21 @@ def test_forwarded_by_run_lookup_never_to_a_stranger(cluster: Cluster) -> None:
     assert delta(after["a3"]["webhook"], before["a3"]["webhook"]) == {}
     assert http_get(a3 + "/v1/runs") == b'{"runs":[]}'
     assert cluster.spy.requests == []
+
+
+def test_forwarded_to_the_peer_whose_ranks_of_the_run_closed_queues_nothing(cluster: Cluster) -> None:
+    """The router forwards as before; the peer hosts the run but no rank of it is live: it answers
+    2xx (the router's forward succeeded) with the outcome no_live_rank, and queues nothing."""
+    a2 = cluster.urls["a2"]
+    http_json(f"{a2}/v1/push", {"run": "C", "rank": 0, "world_size": 1, "step": 9, "state": "closed"})
+    before = {name: counters(url) for name, url in cluster.urls.items()}
+    reply = post_alert(cluster.urls["router"], alert("C", instance=cluster.addr("a2")))
+    assert [r["outcome"] for r in reply["results"]] == ["forwarded"]
+    wait_for(lambda: delta(counters(a2)["webhook"], before["a2"]["webhook"]), 10, what="a2 handles the alert")
+    after = {name: counters(url) for name, url in cluster.urls.items()}
+    assert delta(after["router"]["forwarded"], before["router"]["forwarded"]) == {"ok": 1}
+    assert delta(after["a2"]["webhook"], before["a2"]["webhook"]) == {"no_live_rank": 1}
+    assert pending(a2, "C") == []
 
 
 def test_forward_without_the_token_is_refused(cluster: Cluster) -> None:
@@ -249,11 +265,12 @@ def test_two_agents_that_list_each_other_never_ping_pong(tmp_path: Path) -> None
         # an unknown run aimed at the other agent, both ways: one hop each, then applied locally
         post_alert(x, alert("ghost", instance=f"127.0.0.1:{py}"))
         post_alert(y, alert("ghost", instance=f"127.0.0.1:{px}"))
-        # a payload that says it was forwarded already is applied here, never sent on
+        # a payload that says it was forwarded already is handled here, never sent on; no rank of
+        # "ghost" is live on either agent, so nothing is queued for it (outcome no_live_rank)
         post_alert(x, alert("ghost", instance=f"127.0.0.1:{py}"), headers={FORWARDED_HEADER: "1"})
         expected = {
-            x: {"forwarded": {"no_peer": 1, "ok": 1}, "webhook": {"forwarded": 2, "act": 2}},
-            y: {"forwarded": {"ok": 1}, "webhook": {"forwarded": 1, "act": 1}},
+            x: {"forwarded": {"no_peer": 1, "ok": 1}, "webhook": {"forwarded": 2, "no_live_rank": 2}},
+            y: {"forwarded": {"ok": 1}, "webhook": {"forwarded": 1, "no_live_rank": 1}},
         }
 
         def settled() -> bool:
@@ -262,11 +279,9 @@ def test_two_agents_that_list_each_other_never_ping_pong(tmp_path: Path) -> None
         wait_for(settled, 10, what=f"counts {expected}")
         time.sleep(2.0)  # nothing keeps bouncing: the counts stay where they are
         assert settled(), {u: counters(u) for u in (x, y)}
-        queued = 'trainpatrol_control_commands_total{action="pause",source="alertmanager"}'
-        assert [ln for ln in http_get(x + "/metrics").decode().splitlines() if ln.startswith(queued)] == [
-            queued + " 2.0"]
-        assert [ln for ln in http_get(y + "/metrics").decode().splitlines() if ln.startswith(queued)] == [
-            queued + " 1.0"]
+        queued = "trainpatrol_control_commands_total{"
+        for url in (x, y):
+            assert [ln for ln in http_get(url + "/metrics").decode().splitlines() if ln.startswith(queued)] == []
 
 
 def test_dns_peers_are_the_names_addresses_on_the_agents_port_less_the_agent_itself(

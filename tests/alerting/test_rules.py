@@ -46,6 +46,7 @@ EXPECTED_ACTIONS = {
     "TrainPatrolOOMRisk": "checkpoint",
     "TrainPatrolRankStalled": "capture",
     "TrainPatrolGPUXidError": "checkpoint",
+    "TrainPatrolDataLoaderBound": "capture",
 }
 ALLOWED_ACTIONS = {"checkpoint", "pause", "capture", "empty_cache", "stop"}
 FAST_ALERTS = ("NonFiniteLoss", "NonFiniteGrad", "GradNormExplosion", "MemoryFragmentationHigh")
@@ -215,6 +216,19 @@ def test_amtool_routes(labels: list[str], receiver: str) -> None:
     assert result.stdout.strip() == receiver
 
 
+@needs_amtool
+@pytest.mark.parametrize("rule", _alert_rules(), ids=lambda r: f"{r['alert']}-{r['labels'].get('action', 'none')}")
+def test_amtool_routes_every_shipped_alert_by_its_action(rule: dict[str, Any]) -> None:
+    """An alert with an action reaches the agent's webhook with its labels as shipped; one without stays off it."""
+    labels = {**rule["labels"], "alertname": rule["alert"], "run": "demo"}
+    receiver = "trainpatrol-agent" if "action" in labels else "default"
+    result = _run(
+        str(AMTOOL), "config", "routes", "test", f"--config.file={AM_CONFIG}",
+        f"--verify.receivers={receiver}", *(f"{k}={v}" for k, v in sorted(labels.items())),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @needs_promtool
 def test_fast_profile_renders_and_checks(tmp_path: Path) -> None:
     out = tmp_path / "fast.yml"
@@ -259,6 +273,40 @@ def test_fast_profile_fires_within_seconds_at_1s_intervals(tmp_path: Path) -> No
         f"      - expr: ALERTS{{alertstate=\"firing\"}}\n        eval_time: 6s\n        exp_samples:\n{firing}\n"
     )
     result = _run(str(PROMTOOL), "test", "rules", "fast.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_fast_profile_rank_stalled_stays_silent_after_a_stop_and_a_sigkill_and_fires_on_a_hang(
+        tmp_path: Path) -> None:
+    """The end-to-end incident, replayed at 1 s: RankStalled fired about 10 s after a clean ``stop``
+    and after a SIGKILL. Three ranks step every 0.1 s until 20 s. Then "stopped" pushes its final
+    state (stopped) and exits; "killed" just stops pushing; the agent shows both up until its 15 s
+    liveness TTL has passed. "hung" pushes on every second without a step: only it is stalled."""
+    (tmp_path / "fast.yml").write_text(_generate("--profile", "fast").stdout)
+    series: dict[str, str] = {}
+    for run in ("stopped", "killed", "hung"):
+        rank = f'job="trainpatrol",instance="127.0.0.1:9400",run="{run}",rank="0"'
+        series[f"trainpatrol_rank_last_step_timestamp_seconds{{{rank}}}"] = "0+1x20 20x39"
+        series[f"trainpatrol_rank_last_push_timestamp_seconds{{{rank}}}"] = (
+            "0+1x59" if run == "hung" else "0+1x20 20x39")
+        series[f"trainpatrol_step_duration_seconds_sum{{{rank}}}"] = "0+1x20 20x39"
+        series[f"trainpatrol_step_duration_seconds_count{{{rank}}}"] = "0+10x20 200x39"
+        series[f"trainpatrol_rank_up{{{rank}}}"] = "1x59" if run == "hung" else "1x35 0x24"
+        series[f"trainpatrol_paused{{{rank}}}"] = "0x59"
+        series[f'trainpatrol_rank_state{{{rank},state="running"}}'] = "1x20 0x39" if run == "stopped" else "1x59"
+        series[f'trainpatrol_rank_state{{{rank},state="stopped"}}'] = "0x20 1x39" if run == "stopped" else "0x59"
+    inputs = "\n".join(f"      - series: '{k}'\n        values: '{v}'" for k, v in series.items())
+    hung = 'job="trainpatrol",instance="127.0.0.1:9400",run="hung",rank="0"'
+    (tmp_path / "stalled.test.yml").write_text(
+        "rule_files: [fast.yml]\nevaluation_interval: 1s\ntests:\n  - interval: 1s\n    input_series:\n"
+        f"{inputs}\n    promql_expr_test:\n"
+        '      - expr: max_over_time(ALERTS{alertname="TrainPatrolRankStalled",run=~"stopped|killed"}[59s])\n'
+        "        eval_time: 59s\n        exp_samples: []\n"
+        '      - expr: ALERTS{alertname="TrainPatrolRankStalled"}\n        eval_time: 40s\n        exp_samples:\n'
+        f"          - labels: 'ALERTS{{alertname=\"TrainPatrolRankStalled\",alertstate=\"firing\",{hung},"
+        "severity=\"critical\",action=\"capture\"}'\n            value: 1\n")
+    result = _run(str(PROMTOOL), "test", "rules", "stalled.test.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -308,6 +356,48 @@ def test_fast_profile_stays_silent_on_early_training_and_fires_on_a_later_spike(
         f"      - expr: max_over_time({alerts}[3s])\n        eval_time: 42s\n        exp_samples:\n{fired}\n"
     )
     result = _run(str(PROMTOOL), "test", "rules", "early.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _rule_exprs() -> list[tuple[str, str]]:
+    doc = yaml.safe_load(RULES.read_text())
+    return [(r.get("record") or r["alert"], r["expr"]) for g in doc["groups"] for r in g["rules"]]
+
+
+# Inputs under which a ratio's denominator is zero: nothing moves (every rate is 0, every gauge 0),
+# the same with every gauge at 1, and the counters move while step time does not (the first batch
+# arrived, the first step has not completed).
+_ZERO_DENOMINATORS = {
+    "nothing moves, gauges 0": lambda name: "0x20",
+    "nothing moves, gauges 1": lambda name: "1x20",
+    "waits before the first step": lambda name: (
+        "0x20" if name.startswith("trainpatrol_step_duration_seconds") else "0+1x20" if name.endswith("_total")
+        else "1x20"),
+}
+
+
+@needs_promtool
+@pytest.mark.parametrize("case", list(_ZERO_DENOMINATORS))
+def test_no_rule_yields_nan_or_inf_when_a_denominator_is_zero(tmp_path: Path, case: str) -> None:
+    """Every recording and alert rule, on series of every metric the rules read: a ratio whose
+    denominator is zero is absent, never NaN or +/-Inf (+Inf > threshold makes an alert pending)."""
+    (tmp_path / "rules.yml").write_text(RULES.read_text())
+    exprs = _rule_exprs()
+    metrics = sorted({m for _, e in exprs for m in re.findall(r"(?<![:\w])(trainpatrol_[a-z0-9_]+|up)\b", e)})
+    labels = 'job="trainpatrol",instance="node-a:9400",run="llama",rank="0",uuid="GPU-a",gpu_uuid="GPU-a",gpu="0"'
+    values = _ZERO_DENOMINATORS[case]
+    inputs = [f"      - series: '{m}{{{labels}}}'\n        values: '{values(m)}'" for m in metrics]
+    inputs.append(f"      - series: 'trainpatrol_step_duration_seconds_bucket{{{labels},le=\"+Inf\"}}'\n"
+                  f"        values: '{values('trainpatrol_step_duration_seconds_bucket')}'")
+    checks = []
+    for name, expr in exprs:
+        e = "(" + " ".join(expr.split()) + ")"
+        bad = f"({e} != 0 unless {e} >= -Inf) or {e} == Inf or {e} == -Inf"
+        checks.append(f"      # {name}\n      - expr: '{bad}'\n        eval_time: 10m\n        exp_samples: []")
+    (tmp_path / "zero.test.yml").write_text(
+        "rule_files: [rules.yml]\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n"
+        + "\n".join(inputs) + "\n    promql_expr_test:\n" + "\n".join(checks) + "\n")
+    result = _run(str(PROMTOOL), "test", "rules", "zero.test.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -196,6 +196,21 @@ def test_checklist_checks_have_thresholds_and_runbooks() -> None:
         assert "Action:" in stat["description"], stat["title"]
 
 
+def test_fragmentation_panels_say_what_the_ratio_means() -> None:
+    """trainpatrol_cuda_memory_fragmentation_ratio is unusable-at-peak / reserved, not
+    (reserved - allocated) / reserved (the activation cache of a healthy run, 0.70 on GPT-2-124M)."""
+    found = []
+    for name in UIDS:
+        for p in panels(load(name)):
+            targets = p.get("targets", [])
+            if len(targets) == 1 and "fragmentation_ratio" in targets[0].get("expr", ""):  # not the table of all checks
+                text = p.get("description", "")
+                assert "unusable even at the allocation peak" in text, (name, p["title"])
+                assert "reserved - allocated" not in text, (name, p["title"])
+                found.append((name, p["title"]))
+    assert {n for n, _ in found} >= {"run-timeline.json", "training-checklist.json"}, found
+
+
 def test_queries_use_catalogue_metrics() -> None:
     suffixes = ("_bucket", "_sum", "_count")
     unknown = set()

@@ -66,6 +66,10 @@ class Deduper:
             self._seen.popitem(last=False)
         return True
 
+    def forget(self, alert: Alert) -> None:
+        """Unmark an alert that was not acted on, so that a re-send of it is handled again."""
+        self._seen.pop((alert.fingerprint, alert.startsAt, alert.status), None)
+
 
 def classify(alert: Alert, allowed: tuple[str, ...]) -> str:
     """One of: resolved, no_action, no_run, forbidden, bad_run, act."""

@@ -3,7 +3,11 @@
 Every control request answers at once (202) and acts asynchronously: commands wait in the store
 and reach the ranks in the replies to their next push. A command no rank could carry out is
 refused instead: 404 for a run no rank of which ever pushed here, 409 for a run whose ranks all
-closed, stopped or went down ("no live rank of run RUN on this agent"); nothing is queued then.
+closed, stopped or went down ("no live rank of run RUN on this agent"); nothing is queued then. The
+webhook applies the same rule alert by alert, but answers 2xx (Alertmanager re-sends on 5xx and after
+a 4xx): that alert's outcome is ``no_live_rank``, with the same message, and it is counted in
+``trainpatrol_webhook_alerts_total{outcome="no_live_rank"}``. Alerts for runs this agent does not
+host still go to the peer that does, when peers are configured (agent.router).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..collectors.agent_self import AgentStats
 from ..collectors.health import CollectorSet, Collects
+from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
 from ..protocol import RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot
 from .alerts import Deduper, WebhookPayload, classify, to_command
@@ -134,6 +139,7 @@ class Agent:
         self.nvml = nvml
         self.ranks = RankCollector(self.store)
         collectors: dict[str, Collects] = {"ranks": self.ranks, "agent": self.stats}
+        collectors["process"] = ProcessMetrics()  # the agent's own process_* metrics, read once a second
         if nvml is not None:
             collectors["nvml"] = nvml
         self.registry = CollectorRegistry(auto_describe=False)
@@ -266,21 +272,27 @@ class Agent:
                 kind = classify(alert, cfg.allowed_actions)
                 fresh = self.dedupe.first_time(alert)
                 name = alert.labels.get("alertname", "?")
+                detail = ""
                 if not fresh:
                     kind = "duplicate"
                 elif kind == "act":
                     command = to_command(alert, self.clock())
-                    if self.store.hosts_run(command.run) or forwarded or not (cfg.peers or cfg.peers_dns):
-                        self.enqueue(command)
-                    else:
-                        kind = "forwarded"
+                    if not (self.store.hosts_run(command.run) or forwarded or not (cfg.peers or cfg.peers_dns)):
+                        kind = "forwarded"  # the router's case: a peer hosts the run
                         remote.append(alert)
+                    elif self.store.live_ranks(command.run):
+                        self.enqueue(command)
+                    else:  # a queued command would wait for a rank that never comes
+                        kind, detail = "no_live_rank", no_live_rank(command.run)
+                        self.dedupe.forget(alert)  # not acted on: a re-send once a rank is live acts
                 elif kind == "forbidden":
                     refused.append(f"{name}: action {alert.labels.get('action')!r}")
                 self.stats.count("alerts", kind)
                 record = {"alertname": name, "fingerprint": alert.fingerprint, "startsAt": alert.startsAt,
                           "status": alert.status, "run": alert.labels.get("run", ""),
                           "action": alert.labels.get("action", ""), "outcome": kind, "received": self.clock()}
+                if detail:
+                    record["detail"] = detail
                 self.alert_log.append(record)
                 results.append(record)
             if remote:

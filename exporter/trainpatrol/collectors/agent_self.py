@@ -35,7 +35,8 @@ class AgentStats:
         self.mode = mode
         self._lock = threading.Lock()
         self.pushes: Counter[str] = Counter({"ok": 0, "invalid": 0, "unauthorized": 0, "too_large": 0})
-        self.alerts: Counter[str] = Counter({"act": 0, "duplicate": 0, "resolved": 0, "forbidden": 0})
+        self.alerts: Counter[str] = Counter({"act": 0, "duplicate": 0, "resolved": 0, "forbidden": 0,
+                                             "no_live_rank": 0})
         self.commands: Counter[tuple[str, str]] = Counter()
         self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})
         self._rendered: dict[str, tuple[Hashable, RenderedFamily]] = {}
