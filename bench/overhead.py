@@ -6,7 +6,7 @@ the per-step time and each variant's overhead over the bare loop, as JSON. A sec
 repetitions, many of them, resolve a small difference best on a noisy host, since drift then
 cancels inside each repetition; each case sets its own.
 
-    python bench/overhead.py --device cpu|cuda [--quick] [--case NAME]
+    python bench/overhead.py --device cpu|cuda [--quick] [--case NAME] [--reps N]
 
 Under ``torchrun --nproc-per-node 2 bench/overhead.py --ddp`` the model is wrapped in DDP and the
 Patrol variant includes the lagged control-word exchange.
@@ -164,8 +164,8 @@ def _agent(port: int) -> subprocess.Popen[bytes] | None:
 
 
 def bench_case(case: Case, device: torch.device, quick: bool, agent_url: str, ddp: bool,
-               push_interval: float) -> dict[str, Any]:
-    reps, steps, warmup = (5, 20, 5) if quick else (case.reps, case.steps, 50)
+               push_interval: float, reps: int | None = None) -> dict[str, Any]:
+    reps, steps, warmup = (5, 20, 5) if quick else (reps or case.reps, case.steps, 50)
     torch.manual_seed(0)
     model = case.build(device)
     if ddp:
@@ -174,9 +174,10 @@ def bench_case(case: Case, device: torch.device, quick: bool, agent_url: str, dd
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     batches = [case.batch(device) for _ in range(32)]
+    # guards only record: a trip would pause the benchmark, and the checks run all the same
     cfg = PatrolConfig(run=f"bench-{case.name}", agent_url=agent_url, embedded_agent=False,
                        checkpoint_dir="/tmp/trainpatrol-bench/ckpt", evidence_dir="/tmp/trainpatrol-bench/ev",
-                       push_interval_seconds=push_interval)
+                       push_interval_seconds=push_interval, guard_actions={})
     patrol = Patrol(model=model, config=cfg)
 
     def timed(variant: str, n: int) -> float:
@@ -224,6 +225,7 @@ def main() -> None:
     ap.add_argument("--ddp", action="store_true", help="run under torchrun; wraps the model in DDP")
     ap.add_argument("--port", type=int, default=9471)
     ap.add_argument("--push-interval", type=float, default=1.0, help="Patrol's push interval (diagnostics)")
+    ap.add_argument("--reps", type=int, help="repetitions of each variant (default: the case's own)")
     args = ap.parse_args()
     ddp = args.ddp
     if ddp:
@@ -240,7 +242,7 @@ def main() -> None:
     time.sleep(2.0 if agent else 0)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        results = [bench_case(CASES[n], device, args.quick, url, ddp, args.push_interval) for n in names]
+        results = [bench_case(CASES[n], device, args.quick, url, ddp, args.push_interval, args.reps) for n in names]
     finally:
         if agent is not None:
             agent.terminate()

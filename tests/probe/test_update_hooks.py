@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from trainpatrol.probe.update_hooks import UpdateHooks, nonfinite_flag, skip_mode
+from trainpatrol.probe.device_values import DeviceValues, nonfinite_flag
+from trainpatrol.probe.update_hooks import UpdateHooks, skip_mode
 
 
 @pytest.mark.parametrize(("loss", "extra", "flag"), [
@@ -77,10 +78,26 @@ def test_optimizers_that_cannot_skip_without_a_sync_are_named_off() -> None:
 ])
 def test_the_flag_of_a_row_of_step_values_is_one_exactly_when_one_is_not_finite(row: list[float],
                                                                                 flag: float) -> None:
-    _, opt = fused_adam()
-    hooks = UpdateHooks(opt, skip=True, after_step=lambda: None)
-    values = torch.tensor(row, dtype=torch.float64)
-    for _ in range(2):  # the buffer is reused: a verdict never sticks
-        assert hooks.flag_of_row(values).item() == flag
-        assert hooks.flag_of_row(torch.tensor([1.0, 2.0, 1.0], dtype=torch.float64)).item() == 0.0
-    torch.testing.assert_close(values, torch.tensor(row, dtype=torch.float64), equal_nan=True)  # left as it was
+    values = DeviceValues(torch.device("cpu"))
+    loss, norm, scale = (torch.tensor(v) for v in row)
+    for _ in range(3):  # across a flush: the flags are reused, a verdict never sticks
+        written = values.record(loss, norm, scale)
+        assert values.nonfinite().item() == flag
+        torch.testing.assert_close(written, torch.tensor(row), equal_nan=True)  # the check leaves the row as it was
+        values.record(torch.tensor(1.0), torch.tensor(2.0), None)
+        assert values.nonfinite().item() == 0.0
+        values.flush()
+
+
+def test_each_row_keeps_its_own_flag_until_the_next_batch_starts() -> None:
+    """The optimizer step of a row reads its flag after later rows were judged, so a NaN row's flag must
+    stay set while the batch lasts, and a new batch must start from zero."""
+    values = DeviceValues(torch.device("cpu"))
+    values.record(torch.tensor(math.nan), None, None)
+    bad = values.nonfinite()
+    values.record(torch.tensor(1.0), None, None)
+    good = values.nonfinite()
+    assert (bad.item(), good.item()) == (1.0, 0.0)
+    values.flush()
+    values.record(torch.tensor(1.0), None, None)
+    assert values.nonfinite().item() == 0.0 and bad.item() == 0.0

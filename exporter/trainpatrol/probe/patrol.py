@@ -264,9 +264,9 @@ class Patrol:
                      scale: torch.Tensor | None) -> StepRecord:
         """One step's values into the device ring; its record is made now, its values read back later."""
         t = self.totals
-        row = self._values.record(mean_loss, grad_norm, scale)
+        self._values.record(mean_loss, grad_norm, scale)
         if self._hooks is not None and self._hooks.mode != "off":  # the row just written holds loss and grad norm
-            self._hooks.judge(self._hooks.flag_of_row(row))
+            self._hooks.judge(self._values.nonfinite())
         now = time.perf_counter()
         rec = self.history.record(t.steps, time.time())
         rec.step_seconds = now - self._last_step_end

@@ -12,6 +12,8 @@ from collections import deque
 
 import torch
 
+from . import device_values as dv
+
 log = logging.getLogger("trainpatrol")
 RING = 8
 Tag = tuple[int, int]
@@ -28,10 +30,10 @@ class Readback:
         self._pending: deque[tuple[Tag, torch.Tensor | list[float], torch.cuda.Event | None]] = deque()
         if self._cuda:
             for _ in range(RING):
-                self._free.append(torch.empty(width, dtype=torch.float64, pin_memory=True))
+                self._free.append(torch.empty(width, dtype=dv.DTYPE, pin_memory=True))
 
     def submit(self, tag: Tag, vector: torch.Tensor) -> None:
-        """Queue ``vector`` (on the device, float64, length ``width``) to be read back with ``tag``."""
+        """Queue ``vector`` (on the device, ``dv.DTYPE``, length ``width``) to be read back with ``tag``."""
         if not self._cuda:
             self._pending.append((tag, vector.tolist(), None))  # a host tensor: reading it is free
             return

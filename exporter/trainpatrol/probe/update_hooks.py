@@ -14,7 +14,6 @@ writes is poisoned. How the update is skipped depends on the optimizer, never wi
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,18 +44,6 @@ def skip_mode(optimizer: torch.optim.Optimizer) -> str:
     return "off"
 
 
-def nonfinite_flag(value: torch.Tensor, extra: torch.Tensor | float | None, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (float32) = 1.0 if ``value`` or ``extra`` is NaN/Inf, else 0.0, in three kernels and no sync:
-    x * 0 is 0 for a finite x and NaN otherwise (Inf too), and nan_to_num turns that NaN into 1."""
-    x = value.detach()
-    if isinstance(extra, torch.Tensor):
-        x = x + extra.detach()
-    elif extra is not None and not math.isfinite(extra):
-        return out.fill_(1.0)
-    torch.mul(x, 0.0, out=out)
-    return out.nan_to_num_(nan=1.0)
-
-
 class UpdateHooks:
     """Step pre- and post-hooks on ``optimizer``; ``judge`` hands over the closing step's verdict."""
 
@@ -72,7 +59,6 @@ class UpdateHooks:
         """Set when the loss is recorded only after the step (framework callbacks): ``judge`` is then ignored."""
         self._verdict: Verdict | None = None
         self._flag: torch.Tensor | None = None
-        self._one = torch.ones(())
         self._saved_found_inf: Any = _ABSENT
         self._set_found_inf = False
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -84,23 +70,11 @@ class UpdateHooks:
     def flag(self, value: torch.Tensor, extra: torch.Tensor | float | None = None) -> torch.Tensor:
         """The device verdict for ``value`` (and ``extra``), in a buffer reused every step: the kernel that
         reads it runs before the next step writes it, on the same stream."""
-        return nonfinite_flag(value, extra, self._buffer(value.device))
-
-    def flag_of_row(self, row: torch.Tensor) -> torch.Tensor:
-        """The device verdict for a row of step values (loss, grad norm, loss scale): one check kernel, the
-        same GradScaler uses (it multiplies by 1.0, so the row is unchanged), after zeroing the flag."""
-        out = self._buffer(row.device)
-        out.zero_()
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_([row], out, self._one)
-        except (AttributeError, RuntimeError):  # private API: fall back to the public ops
-            return nonfinite_flag(row.sum(), None, out)
-        return out
+        return dv.nonfinite_flag(value, extra, self._buffer(value.device))
 
     def _buffer(self, device: torch.device) -> torch.Tensor:
         if self._flag is None or self._flag.device != device:
             self._flag = torch.zeros((), dtype=torch.float32, device=device)
-            self._one = torch.ones((), dtype=torch.float32, device=device)
         return self._flag
 
     def judge(self, skip: Verdict) -> None:
