@@ -47,16 +47,21 @@ def _index_unreachable() -> str:
     return ""
 
 
-def _pip_install(venv: Path, *what: str) -> None:
-    cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *what]
+def _pip(python: Path | str, *args: str) -> None:
+    """``python -m pip ARGS``; a failure skips the test when the package index cannot be reached, else fails it."""
+    cmd = [str(python), "-m", "pip", *args, "--quiet", "--disable-pip-version-check"]
     result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     if result.returncode == 0:
         return
     tail = (result.stdout + result.stderr)[-3000:]
     why = _index_unreachable()
     if why:
-        pytest.skip(f"the package index is unreachable ({why}), so `pip install {' '.join(what)}` failed: {tail}")
+        pytest.skip(f"the package index is unreachable ({why}), so `pip {' '.join(args)}` failed: {tail}")
     pytest.fail(f"`{' '.join(cmd)}` failed with code {result.returncode}:\n{tail}")
+
+
+def _pip_install(venv: Path, *what: str) -> None:
+    _pip(venv / "bin" / "python", "install", *what)
 
 
 def _venv(path: Path) -> Path:
@@ -84,8 +89,7 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def wheel(clone: Path) -> Path:
     """One wheel for both venvs, built with pip as a user or a release job would."""
     out = clone.parent / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
-                    "-w", str(out), str(clone)], check=True, timeout=300, env=_env())
+    _pip(sys.executable, "wheel", "--no-deps", "-w", str(out), str(clone))  # setuptools comes from the index
     (found,) = out.glob("trainpatrol-*.whl")
     return found
 
