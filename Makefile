@@ -12,7 +12,8 @@ APT_PACKAGES := prometheus prometheus-alertmanager chromium
 
 venv: $(STAMP)
 
-# torch is pinned to the CPU wheel that lies on disk here; a plain `torch` would pull a multi-GB CUDA build.
+# torch is no dependency of the package (the training side uses the user's own), so the dev venv installs it
+# explicitly, pinned to the CPU wheel that lies on disk here: a plain `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip

@@ -168,7 +168,7 @@ def main() -> int:
     fixture: dict[str, Any] = {
         "captured": {
             "script": "bench/capture_nvml_fixture.py",
-            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "kernel": platform.release(),
             "python": platform.python_version(),
             "nvidia_ml_py": metadata.version("nvidia-ml-py"),

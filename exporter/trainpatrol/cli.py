@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .control.actions import ACTIONS
+from .shipped import KINDS, export
 
 DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400")
 FAULTS = ("nan", "grad_spike", "fragmentation", "loader_stall", "none")
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     r = sub.add_parser("report", help="(re)generate report.html of an evidence bundle")
     r.add_argument("bundle")
+    e = sub.add_parser("export", help="write out what the package ships: " + ", ".join(KINDS),
+                       description="; ".join(f"{kind}: {what}" for kind, what in KINDS.items()))
+    e.add_argument("kind", choices=list(KINDS))
+    e.add_argument("dir", help="written into this folder (created if needed)")
     return parser
 
 
@@ -99,9 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "agent":
         return _agent(args)
     if args.command == "demo":
+        from ._torch import require_torch
+
+        try:
+            require_torch()
+        except ImportError as exc:
+            print(f"trainpatrol demo: {exc}", file=sys.stderr)
+            return 2
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "status":
         return _status(args)
     if args.command == "report":
@@ -110,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         print(write_report(Path(args.bundle)))
         return 0
     return _action(args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        for path in export(args.kind, Path(args.dir)):
+            print(path)
+    except OSError as exc:
+        print(f"trainpatrol export {args.kind}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _agent(args: argparse.Namespace) -> int:

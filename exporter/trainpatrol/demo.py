@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ STACK_NOTES = {
     "nan": "; the local NaN guard pauses the run within two steps, before Prometheus can; the "
            "TrainPatrolNonFiniteLoss alert arrives while it is paused.",
 }
+EXPECTED_ALERTS = {"grad_spike": "TrainPatrolGradNormExplosion", "fragmentation": "TrainPatrolMemoryFragmentationHigh",
+                   "nan": "TrainPatrolNonFiniteLoss"}
+"""With the stack, the alert each fault must fire; the demo fails when the agent's webhook never receives it."""
 GRAD_SPIKE_STEPS = 30
 """A gradient explosion lasts this many steps, then the loss scale returns to normal (a transient burst). It
 ends sooner if the run pauses: the demo's operator fixes the cause before resuming, since a fault that
@@ -198,49 +202,77 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_with_stack(args: argparse.Namespace) -> int:
-    from .stack import Binaries, Stack, StackConfig, StackError, alerting_dir
+    from .stack import Binaries, Stack, StackConfig, StackError
 
     inject = args.inject or STACK_INJECT
-    binaries, alerting = Binaries.find(), alerting_dir()
-    problem = ""
+    fault = inject.partition("@")[0]
+    expected = EXPECTED_ALERTS.get(fault)
+    binaries = Binaries.find()
     if binaries is None:
-        problem = ("the prometheus and prometheus-alertmanager binaries are not on PATH (Debian: `apt-get install "
-                   "--no-install-recommends prometheus prometheus-alertmanager`, or `make system-deps`)")
-    elif alerting is None:
-        problem = "the shipped rules (alerting/ of a source checkout) are not here"
-    stack = None
-    if binaries is not None and alerting is not None:
-        port = urllib.parse.urlparse(args.agent_url).port or 9400
-        config = StackConfig(workdir=Path(args.workdir), agent_port=port, prometheus_port=args.prometheus_port,
-                             alertmanager_port=args.alertmanager_port)
-        try:
-            stack = Stack(config, binaries, alerting).start()
-        except (StackError, OSError) as exc:
-            problem = f"the stack did not start: {exc}"
-    if stack is None:
-        print(f"[demo] --stack: {problem}. Falling back to the local guards: Patrol acts by itself, without "
-              "Prometheus or Alertmanager.", flush=True)
+        print("[demo] --stack: prometheus, prometheus-alertmanager, promtool or amtool is not on PATH (Debian: "
+              "`apt-get install --no-install-recommends prometheus prometheus-alertmanager`, or `make system-deps`). "
+              "Falling back to the local guards: Patrol acts by itself, without Prometheus or Alertmanager.",
+              flush=True)
         return _train(args, inject, args.agent_url, guard_actions=FALLBACK_GUARD_ACTIONS)
+    port = urllib.parse.urlparse(args.agent_url).port or 9400
+    config = StackConfig(workdir=Path(args.workdir), agent_port=port, prometheus_port=args.prometheus_port,
+                         alertmanager_port=args.alertmanager_port)
+    stack = Stack(config, binaries)
+    try:
+        stack.start()
+        loaded = stack.loaded_alerts()
+    except (StackError, OSError) as exc:
+        stack.stop()
+        print(f"[demo] --stack: the stack did not start: {exc}", flush=True)
+        return 1
     with stack:
+        if expected and expected not in loaded:
+            # the alert loop could not act: say so now rather than train and wait for an alert that never comes
+            print(f"[demo] --stack: Prometheus loaded no alerting rule {expected} from {stack.rules_file} "
+                  f"({len(loaded)} alerting rules in all), so the injected {fault} would go unseen; see "
+                  f"{stack.prometheus_url}/rules and {stack.dir / 'prometheus.log'}.", flush=True)
+            return 1
         print(f"[demo] --stack: Prometheus    {stack.prometheus_url}  (alerts: {stack.prometheus_url}/alerts)",
               flush=True)
         print(f"[demo] --stack: Alertmanager  {stack.alertmanager_url}", flush=True)
         print(f"[demo] --stack: agent         {stack.agent_url}  (webhook {stack.agent_url}/v1/alertmanager, "
               f"bearer token in {stack.token_file})", flush=True)
-        print(f"[demo] --stack: rules: the shipped rules rendered with the FAST profile ({stack.rules_file}): the "
-              "same thresholds with short windows and `for: 0s`, scraped and evaluated every 1 s, so you see an "
-              "alert act within seconds. Production uses alerting/rules.yml, whose alerts wait minutes.",
-              flush=True)
-        print(f"[demo] --stack: injecting {inject}{STACK_NOTES.get(inject.partition('@')[0], '.')}", flush=True)
+        print(f"[demo] --stack: rules: the shipped rules of the FAST profile ({stack.rules_file}, {len(loaded)} "
+              "alerting rules loaded): the same thresholds with short windows and `for: 0s`, scraped and evaluated "
+              "every 1 s, so you see an alert act within seconds. Production uses rules.yml "
+              "(`trainpatrol export rules DIR`), whose alerts wait minutes.", flush=True)
+        print(f"[demo] --stack: injecting {inject}{STACK_NOTES.get(fault, '.')}", flush=True)
         rc = _train(args, inject, stack.agent_url, token=stack.token, token_file=str(stack.token_file),
                     guard_actions=STACK_GUARD_ACTIONS, push_interval=0.5)
         try:
-            _print_alerts(stack.alerts())
+            alerts = _alerts_after(stack.alerts, expected)
         except OSError as exc:
             print(f"[demo] --stack: could not read the agent's alerts: {exc}", flush=True)
+            alerts = []
+        _print_alerts(alerts)
+        if rc == 0 and expected and not _fired(alerts, expected):
+            print(f"[demo] --stack: FAILED: the injected {fault} should have fired {expected}, but the agent's "
+                  f"webhook never received it; see {stack.prometheus_url}/alerts, {stack.alertmanager_url} and the "
+                  f"logs in {stack.dir}.", flush=True)
+            rc = 1
         print(f"[demo] --stack: stopping Prometheus, Alertmanager and the agent (configs and logs: {stack.dir}).",
               flush=True)
     return rc
+
+
+def _fired(alerts: list[dict[str, Any]], name: str) -> bool:
+    return any(a["alertname"] == name and a["status"] == "firing" for a in alerts)
+
+
+def _alerts_after(read: Callable[[], list[dict[str, Any]]], expected: str | None,
+                  wait_seconds: float = 20.0) -> list[dict[str, Any]]:
+    """What the webhook received; a run shorter than the alert's path (scrape, rule, group_wait) waits for it."""
+    deadline = time.monotonic() + wait_seconds
+    alerts = read()
+    while expected and not _fired(alerts, expected) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alerts = read()
+    return alerts
 
 
 def _print_alerts(alerts: list[dict[str, Any]]) -> None:

@@ -1,12 +1,14 @@
 """A local alert loop for ``trainpatrol demo --stack``: agent, Prometheus and Alertmanager on 127.0.0.1.
 
-Prometheus scrapes the agent every second and evaluates the shipped rules rendered with the *fast*
-profile (the same thresholds, short windows, ``for: 0s``), so an alert fires within seconds.
-Alertmanager routes as ``alerting/alertmanager.yml`` does, pointed at the agent's webhook, with a
+Prometheus scrapes the agent every second and evaluates the shipped rules of the *fast* profile (the
+same thresholds, short windows, ``for: 0s``; ``rules-fast.yml`` of the package), so an alert fires within
+seconds. Alertmanager routes as the shipped ``alertmanager.yml`` does, pointed at the agent's webhook, with a
 bearer token generated for this run and kept in a private credentials file; the agent is started
 with the same token. Every process binds loopback only (Alertmanager's cluster listener is off),
 storage lives in a private temporary directory, and everything is stopped and removed on exit.
-Configs and logs stay under ``<workdir>/stack/`` for inspection.
+Configs and logs stay under ``<workdir>/stack/`` for inspection; every path in a config is absolute, since
+Prometheus resolves a relative ``rule_files`` entry against the config's folder, and ``promtool check config``
+and ``amtool check-config`` pass each config before its server starts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from . import shipped
 from ._process import terminate
 
 PROMETHEUS_PORT = 9090
@@ -42,35 +45,20 @@ class StackError(RuntimeError):
 class Binaries:
     prometheus: str
     alertmanager: str
+    promtool: str
+    amtool: str
 
     @classmethod
     def find(cls) -> Binaries | None:
         """Debian names Alertmanager ``prometheus-alertmanager``; upstream tarballs ``alertmanager``."""
-        prometheus = shutil.which("prometheus")
-        alertmanager = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-        return cls(prometheus, alertmanager) if prometheus and alertmanager else None
-
-
-def alerting_dir() -> Path | None:
-    """The source tree's ``alerting/`` (rule generator and Alertmanager example), if there is one."""
-    for candidate in (Path(__file__).resolve().parents[2] / "alerting", Path.cwd() / "alerting"):
-        if (candidate / "generate.py").is_file() and (candidate / "alertmanager.yml").is_file():
-            return candidate
-    return None
-
-
-def render_rules(alerting: Path, out: Path, profile: str = "fast") -> Path:
-    """Render the shipped rules with ``profile`` into ``out`` (alerting/generate.py, run as a script)."""
-    cmd = [sys.executable, str(alerting / "generate.py"), "--profile", profile, "--out", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    if result.returncode != 0:
-        raise StackError(f"`{' '.join(cmd)}` failed with code {result.returncode}: {result.stderr.strip()}")
-    return out
+        found = (shutil.which("prometheus"), shutil.which("prometheus-alertmanager") or shutil.which("alertmanager"),
+                 shutil.which("promtool"), shutil.which("amtool"))
+        return cls(*found) if all(found) else None  # type: ignore[arg-type]
 
 
 def alertmanager_config(template: str, webhook_url: str, credentials_file: Path | str,
                         group_interval: str | None = None) -> str:
-    """``template`` (alerting/alertmanager.yml) with every webhook pointed at ``webhook_url``'s host and
+    """``template`` (the shipped alertmanager.yml) with every webhook pointed at ``webhook_url``'s host and
     the bearer token read from ``credentials_file``; ``group_interval`` overrides it on webhook routes."""
     try:
         import yaml
@@ -93,7 +81,7 @@ def alertmanager_config(template: str, webhook_url: str, credentials_file: Path 
         for route in _routes(doc.get("route", {})):
             if route.get("receiver") in webhook_receivers:
                 route["group_interval"] = group_interval
-    header = "# derived from alerting/alertmanager.yml by trainpatrol.stack, do not edit\n"
+    header = "# derived from trainpatrol's alertmanager.yml by trainpatrol.stack, do not edit\n"
     return header + str(yaml.safe_dump(doc, sort_keys=False))
 
 
@@ -128,7 +116,7 @@ def port_or_free(preferred: int) -> int:
 @dataclass
 class StackConfig:
     workdir: Path
-    """Configs and logs go to ``<workdir>/stack/``."""
+    """Configs and logs go to ``<workdir>/stack/`` (made absolute)."""
     agent_port: int = AGENT_PORT
     prometheus_port: int = PROMETHEUS_PORT
     alertmanager_port: int = ALERTMANAGER_PORT
@@ -141,15 +129,15 @@ class StackConfig:
 
 
 class Stack:
-    """``with Stack(config, binaries, alerting) as stack:`` starts the agent, Alertmanager and
-    Prometheus; ``agent_url``, ``prometheus_url``, ``alertmanager_url`` and ``token`` are then set."""
+    """``with Stack(config, binaries) as stack:`` starts the agent, Alertmanager and Prometheus;
+    ``agent_url``, ``prometheus_url``, ``alertmanager_url`` and ``token`` are then set."""
 
-    def __init__(self, config: StackConfig, binaries: Binaries, alerting: Path) -> None:
-        self.config, self.binaries, self.alerting = config, binaries, alerting
-        self.dir = Path(config.workdir) / "stack"
+    def __init__(self, config: StackConfig, binaries: Binaries) -> None:
+        self.config, self.binaries = config, binaries
+        self.dir = Path(config.workdir).resolve() / "stack"
         self.token = secrets.token_urlsafe(32)
         self.agent_url = self.prometheus_url = self.alertmanager_url = ""
-        self.rules_file = self.dir / f"rules-{config.profile}.yml"
+        self.rules_file = self.dir / ("rules.yml" if config.profile == "default" else f"rules-{config.profile}.yml")
         self._private: Path | None = None
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
@@ -166,7 +154,7 @@ class Stack:
         try:
             self.token_file.write_text(self.token + "\n")
             self.token_file.chmod(0o600)
-            render_rules(self.alerting, self.rules_file, cfg.profile)
+            self.rules_file.write_bytes(shipped.resource(self.rules_file.name).read_bytes())
             agent_port = port_or_free(cfg.agent_port)
             self.agent_url = f"http://127.0.0.1:{agent_port}"
             self._spawn("agent", [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1",
@@ -175,8 +163,9 @@ class Stack:
             am_port = port_or_free(cfg.alertmanager_port)
             self.alertmanager_url = f"http://127.0.0.1:{am_port}"
             am_yml = self.dir / "alertmanager.yml"
-            am_yml.write_text(alertmanager_config((self.alerting / "alertmanager.yml").read_text(),
+            am_yml.write_text(alertmanager_config(shipped.resource("alertmanager.yml").read_text(),
                                                   self.agent_url + WEBHOOK_PATH, self.token_file))
+            self._check([self.binaries.amtool, "check-config", str(am_yml)])
             self._spawn("alertmanager", [self.binaries.alertmanager, f"--config.file={am_yml}",
                                          f"--storage.path={self._private / 'alertmanager'}",
                                          f"--web.listen-address=127.0.0.1:{am_port}",
@@ -188,6 +177,7 @@ class Stack:
             prom_yml = self.dir / "prometheus.yml"
             prom_yml.write_text(prometheus_config([f"127.0.0.1:{agent_port}"], [self.rules_file],
                                                   f"127.0.0.1:{am_port}", cfg.interval))
+            self._check([self.binaries.promtool, "check", "config", str(prom_yml)])  # its rule files too
             self._spawn("prometheus", [self.binaries.prometheus, f"--config.file={prom_yml}",
                                        f"--storage.tsdb.path={self._private / 'prometheus'}",
                                        f"--web.listen-address=127.0.0.1:{prom_port}",
@@ -198,6 +188,12 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _check(self, cmd: list[str]) -> None:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise StackError(f"`{' '.join(cmd)}` failed with code {result.returncode}:\n"
+                             f"{(result.stdout + result.stderr).strip()}")
 
     def _spawn(self, name: str, args: list[str], ready_url: str) -> None:
         log = self.dir / f"{name}.log"
@@ -235,6 +231,13 @@ class Stack:
             time.sleep(0.2)
         raise StackError(f"Prometheus did not scrape the agent at {self.agent_url} within "
                          f"{self.config.start_timeout_seconds:g} s; see {self.dir / 'prometheus.log'}")
+
+    def loaded_alerts(self) -> list[str]:
+        """The names of the alerting rules Prometheus loaded (GET /api/v1/rules)."""
+        url = f"{self.prometheus_url}/api/v1/rules?type=alert"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            groups = json.loads(r.read())["data"]["groups"]
+        return [str(rule["name"]) for g in groups for rule in g["rules"]]
 
     def alerts(self) -> list[dict[str, Any]]:
         """What the agent's webhook received (GET /v1/alerts), oldest first."""

@@ -83,3 +83,20 @@ def test_demo_stack_without_binaries_falls_back_to_the_local_guards(tmp_path: Pa
     assert by.startswith("local guard grad_norm_explosion"), by
     assert (checkpoint / "meta.json").is_file() and (evidence / "trigger.json").is_file()
     assert "[demo] done: 150 steps." in out
+
+
+@needs_prometheus
+@needs_alertmanager
+@pytest.mark.timeout(180)
+def test_demo_stack_exits_non_zero_when_the_expected_alert_never_arrives(tmp_path: Path) -> None:
+    """The run ends before its fault (step 1000 of 60), so the alert the fault should fire never comes."""
+    rc, out = _demo(tmp_path, "--stack", "--steps", "60", "--inject", "grad_spike@1000", "--prometheus-port",
+                    str(free_port()), "--alertmanager-port", str(free_port()))
+    assert rc == 1, out[-4000:]
+    prom = re.search(r"\[demo\] --stack: Prometheus +(http://127\.0\.0\.1:\d+)", out)
+    am = re.search(r"\[demo\] --stack: Alertmanager +(http://127\.0\.0\.1:\d+)", out)
+    assert prom and am, out[-4000:]
+    assert "[demo] done: 60 steps." in out
+    assert (f"[demo] --stack: FAILED: the injected grad_spike should have fired TrainPatrolGradNormExplosion, but "
+            f"the agent's webhook never received it; see {prom[1]}/alerts, {am[1]} and the logs in "
+            f"{tmp_path / 'out' / 'stack'}.") in out

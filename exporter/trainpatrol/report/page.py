@@ -61,8 +61,8 @@ def render(bundle: Bundle, inc: Incident, runbooks: Path | None) -> str:
 def write_report(bundle: Path, *, runbooks: Path | None = None) -> Path:
     """Write ``<bundle>/report.html`` from the bundle's files and return its path.
 
-    ``runbooks`` is the runbook Markdown (default: $TRAINPATROL_RUNBOOKS, or docs/runbooks.md of the
-    checkout); without one, built-in hints stand in.
+    ``runbooks`` is the runbook Markdown (default: $TRAINPATROL_RUNBOOKS, or the docs/runbooks.md the
+    package ships); without one, built-in hints stand in.
     """
     bundle = Path(bundle)
     data = load(bundle)

@@ -10,7 +10,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import __version__, shipped
+
 ENV = "TRAINPATROL_RUNBOOKS"
+PACKAGED = f"the runbooks of trainpatrol {__version__} (docs/runbooks.md)"
 _HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 
 BUILTIN = {
@@ -77,12 +80,19 @@ class Advice:
 
 
 def find_runbooks(explicit: Path | None = None) -> Path | None:
-    """``explicit``, then $TRAINPATROL_RUNBOOKS, then docs/runbooks.md of the source checkout or the cwd."""
-    here = Path(__file__).resolve()
-    candidates = [explicit, Path(os.environ[ENV]) if os.environ.get(ENV) else None,
-                  here.parents[3] / "docs" / "runbooks.md" if len(here.parents) > 3 else None,
-                  Path.cwd() / "docs" / "runbooks.md"]
+    """``explicit``, then $TRAINPATROL_RUNBOOKS, then the runbooks the package ships (docs/runbooks.md)."""
+    candidates = [explicit, Path(os.environ[ENV]) if os.environ.get(ENV) else None, _packaged()]
     return next((p for p in candidates if p is not None and p.is_file()), None)
+
+
+def _packaged() -> Path | None:
+    found = shipped.data() / "runbooks.md"
+    return found if isinstance(found, Path) else None  # a zipped install has no path; the built-in hints remain
+
+
+def _name(runbooks: Path | None) -> str:
+    """How the page names the file: the packaged one by what it is, not by where the package lies."""
+    return PACKAGED if runbooks == _packaged() else str(runbooks)
 
 
 def anchor(heading: str) -> str:
@@ -120,11 +130,11 @@ def lookup(keys: list[str], runbooks: Path | None) -> Advice:
     for key in keys:
         if anchor(key) in secs:
             title, body = secs[anchor(key)]
-            return Advice(title, markdown_html(body), f"{runbooks}, section “{title}”")
+            return Advice(title, markdown_html(body), f"{_name(runbooks)}, section “{title}”")
     if runbooks is None:
-        why = f"no runbook file was found: docs/runbooks.md of the checkout, or ${ENV}"
+        why = f"no runbook file was found: the packaged docs/runbooks.md, or ${ENV}"
     elif keys:
-        why = f"{runbooks} has no section {' or '.join(keys)}"
+        why = f"{_name(runbooks)} has no section {' or '.join(keys)}"
     else:
         why = "no alert or guard names a runbook section"
     hint_key = next((k for k in keys if k in BUILTIN), "" if keys else "request")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..control.actions import STOP_EXIT_CODE
-from ..probe.loader import ADVICE
+from ..loader_audit import ADVICE
 from ._html import details, esc, note, num, table
 from .bundle import Bundle, compact_ranks
 from .incident import Incident
