@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .control.actions import ACTIONS
+from .probe.embedded import EMBEDDED_IDLE_SECONDS
 
 DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400")
 FAULTS = ("nan", "grad_spike", "fragmentation", "loader_stall", "none")
@@ -37,6 +40,9 @@ def _agent_parser(sub: Any) -> None:
     p.add_argument("--nvml-fake", help="serve recorded NVML readings from this fixture instead of a GPU")
     p.add_argument("--rank-up-ttl", type=float, dest="rank_up_ttl_seconds")
     p.add_argument("--rank-expire", type=float, dest="rank_expire_seconds")
+    p.add_argument("--exit-when-idle", type=float, dest="exit_when_idle_seconds", metavar="SECONDS",
+                   help="exit when no rank has pushed for SECONDS (default 0: never; an embedded agent uses "
+                        f"{EMBEDDED_IDLE_SECONDS:g})")
     p.add_argument("--log-level")
 
 
@@ -125,8 +131,30 @@ def _agent(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trainpatrol agent: {exc}", file=sys.stderr)
         return 2
+    problem = _cannot_bind(config.host, config.port)
+    if problem:
+        print(f"trainpatrol agent: {problem}", file=sys.stderr)
+        return 1
     serve(config)
     return 0
+
+
+def _cannot_bind(host: str, port: int) -> str:
+    """Why the agent could not listen on ``host:port``, or "" when it can. Asked before uvicorn starts,
+    whose own failure comes after its whole start-up log; a port taken in between still fails there."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as exc:
+        return f"cannot resolve host {host!r}: {exc.strerror or exc}"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"port {port} on {host} is taken (another agent?); pick another with --port"
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return ""
 
 
 def _token(args: argparse.Namespace) -> str:

@@ -24,7 +24,9 @@ class PatrolConfig:
     agent_url: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400"))
     token: str = field(default_factory=_env_token)
     embedded_agent: bool = True
-    """Local rank 0 starts an agent child process when none answers on a loopback URL."""
+    """Local rank 0 starts a detached agent when none answers on a loopback URL (probe/embedded.py)."""
+    embedded_agent_idle_seconds: float = 60.0
+    """The embedded agent exits when no rank on the host has pushed to it for this long."""
     push_interval_seconds: float = 1.0
     window: int = 100
     """Steps over which window statistics (mean, max, ratios, slope) are computed."""

@@ -36,7 +36,7 @@ from ..protocol import ActionRecord
 from ..report import write_report_quietly
 from . import device_values as dv
 from .config import PatrolConfig
-from .embedded import agent_answers, start_embedded_agent, stop_embedded_agent
+from .embedded import agent_answers, start_embedded_agent
 from .guards import Guards
 from .host_memory import HostMemory, worker_pids
 from .identity import detect
@@ -131,9 +131,9 @@ class Patrol:
         self.executor = Executor(self)
         if cfg.record_memory_history:
             set_recording(True)
-        self._agent_proc = None
         if cfg.embedded_agent and self.identity.local_rank == 0 and not agent_answers(cfg.agent_url):
-            self._agent_proc = start_embedded_agent(cfg.agent_url)
+            # waits for /healthz, so the first push finds it; the agent outlives this run (probe/embedded.py)
+            start_embedded_agent(cfg.agent_url, idle_seconds=cfg.embedded_agent_idle_seconds)
         self.publisher = Publisher(cfg.agent_url, self.snapshot, self._on_commands, token=cfg.token,
                                    interval=cfg.push_interval_seconds)
         self.publisher.start()
@@ -560,7 +560,6 @@ class Patrol:
         if self.state not in ("stopped",):
             self.state = "closed"
         self.publisher.stop(final_push=True)
-        stop_embedded_agent(self._agent_proc)
         if self._hooks is not None:
             self._hooks.remove()
 
