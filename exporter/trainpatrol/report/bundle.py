@@ -157,10 +157,18 @@ def read_rank(path: Path, rank: int, notes: list[str]) -> RankPart:
     return part
 
 
+class NotABundle(ValueError):
+    """The directory holds none of a bundle's own files: a page for it would describe nothing."""
+
+
 def load(path: Path) -> Bundle:
-    """Read the bundle at ``path``; raises only when ``path`` is not a directory."""
+    """Read the bundle at ``path``; raises only when ``path`` is not a directory or holds no part of a
+    bundle at all (a bundle missing some files is read, with notes)."""
     if not path.is_dir():
         raise FileNotFoundError(f"Evidence bundle {str(path)!r} is not a directory.")
+    if not any((path / name).exists() for name in ("manifest.json", "trigger.json")) and \
+            not any(_RANK_DIR.match(child.name) and child.is_dir() for child in path.iterdir()):
+        raise NotABundle(f"{path} is not an evidence bundle (no manifest.json, trigger.json or rank-NNNNN directory)")
     bundle = Bundle(path=path)
     notes = bundle.notes
     bundle.manifest = _dict(_read_json(path / "manifest.json", notes))
