@@ -149,6 +149,9 @@ def test_misuse_gives_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
                          "'report') (see trainpatrol --help)",
         ("agent", "--port", "abc"): "trainpatrol agent: argument --port: invalid int value: 'abc' "
                                     "(see trainpatrol agent --help)",
+        ("demo", "--inject", "nan@x"): "trainpatrol demo: argument --inject: 'nan@x' is not FAULT@STEP with FAULT one "
+                                       "of nan, grad_spike, fragmentation, loader_stall, none and STEP a positive "
+                                       "step number (see trainpatrol demo --help)",
         ("status", "--token-file", str(missing)): f"trainpatrol status: cannot read the token file {missing}: "
                                                   "No such file or directory",
     }

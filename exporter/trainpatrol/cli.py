@@ -60,6 +60,14 @@ def _agent_url(value: str) -> str:
     return value
 
 
+def _fault(value: str) -> str:
+    fault, at, step = value.partition("@")
+    if fault not in FAULTS or (at and not (step.isdigit() and int(step) > 0)):
+        raise argparse.ArgumentTypeError(f"{value!r} is not FAULT@STEP with FAULT one of {', '.join(FAULTS)} "
+                                         "and STEP a positive step number")
+    return value
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("trainpatrol")
@@ -119,7 +127,7 @@ def _demo_parser(sub: Any) -> None:
     p.add_argument("--agent-url", default="http://127.0.0.1:9400",
                    help="the agent (started if none answers); with --stack the demo starts its own agent, with a "
                         "token, on this port or a free one")
-    p.add_argument("--inject", help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)} "
+    p.add_argument("--inject", type=_fault, help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)} "
                                     "(default nan@150; with --stack grad_spike@200)")
     p.add_argument("--step-sleep", type=float, default=0.02, help="extra seconds per step, to watch it live")
     p.add_argument("--auto-resume", type=float, default=3.0,
