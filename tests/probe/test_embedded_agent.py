@@ -128,3 +128,17 @@ def test_the_agent_exits_by_itself_when_no_rank_pushes(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert 2 <= time.monotonic() - started < 15
     assert "no rank has pushed for 2 s: exiting" in result.stderr
+
+
+def test_a_local_rank_that_starts_before_rank_0_waits_for_its_agent_without_warning(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, SCRIPT, url, "ranks", str(tmp_path / "ranks"), "60", str(IDLE)]
+    with process(cmd, tmp_path / "rank1.log", env=python_env(LOCAL_RANK="1", RANK="1", WORLD_SIZE="2")) as rank1:
+        time.sleep(2.0)  # rank 1 is up and would have pushed by now
+        assert not agent_answers(url)
+        with process(cmd, tmp_path / "rank0.log", env=python_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="2")) as rank0:
+            assert rank0.wait(timeout=60) == 0
+            assert rank1.wait(timeout=60) == 0
+    assert "finished ranks" in (tmp_path / "rank1.log").read_text()
+    assert push_trouble(tmp_path / "rank1.log") == []
+    assert push_trouble(tmp_path / "rank0.log") == []

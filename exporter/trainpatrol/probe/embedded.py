@@ -39,6 +39,21 @@ def agent_answers(url: str, timeout: float = 0.5) -> bool:
         return False
 
 
+def is_loopback_url(url: str) -> bool:
+    return urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost")
+
+
+def wait_for_agent(url: str, seconds: float = STARTUP_SECONDS) -> bool:
+    """Whether an agent answers at ``url`` within ``seconds``: the other local ranks wait so for the one
+    local rank 0 starts, rather than warn that their first pushes were refused."""
+    started = time.monotonic()
+    while not agent_answers(url):
+        if time.monotonic() - started > seconds:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def start_embedded_agent(url: str, extra_args: list[str] | None = None,
                          idle_seconds: float = EMBEDDED_IDLE_SECONDS,
                          wait_seconds: float = STARTUP_SECONDS) -> bool:
@@ -47,7 +62,7 @@ def start_embedded_agent(url: str, extra_args: list[str] | None = None,
     Returns whether one answers: the one started here, or one another run started meanwhile. False
     (with one warning) when the URL is not loopback or no agent answered within ``wait_seconds``."""
     parsed = urllib.parse.urlparse(url)
-    if parsed.hostname not in ("127.0.0.1", "localhost"):
+    if not is_loopback_url(url):
         log.warning("trainpatrol: no agent answers at %s and it is not loopback; not starting one", url)
         return False
     port = parsed.port or 9400
