@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import http.server
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import trainpatrol
 from loops import run_scripted, scripted_patrol
-from servers import agent, free_port, http_json, python_env
+from servers import agent, answer_json, free_port, http_json, python_env
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -158,3 +163,36 @@ def test_misuse_gives_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
     for args, line in cases.items():
         result = cli(*args)
         assert one_line_error(result) == line, args
+
+
+@contextmanager
+def json_server(body: Any) -> Iterator[str]:
+    """A real HTTP server that is not an agent: it answers ``body`` as JSON on every path."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            answer_json(self, 200, body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_status_against_a_server_that_is_not_an_agent_says_so_in_one_line() -> None:
+    with json_server({"hello": 1}) as url:
+        result = cli("status", "--agent", url)
+    assert one_line_error(result) == (f"trainpatrol status: agent {url} answered without a list of runs; "
+                                      "is it a trainpatrol agent?")
+    with json_server({"runs": [{"run": "x"}]}) as url:
+        result = cli("status", "--agent", url)
+    assert one_line_error(result) == (f"trainpatrol status: agent {url} answered runs in a form this CLI "
+                                      "does not know; try --json")

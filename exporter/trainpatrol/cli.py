@@ -310,16 +310,27 @@ def _status(args: argparse.Namespace) -> int:
         if exc.code == 404 and args.run:
             raise CliError(f"run {args.run} is unknown on agent {args.agent}") from None
         raise _answered(args, exc) from None
+    except (KeyError, TypeError):
+        raise CliError(f"agent {args.agent} answered without a list of runs; is it a trainpatrol agent?") from None
     if args.json:
         print(json.dumps(runs, indent=2))
         return 0
-    print(f"{'RUN':<20} {'STATE':<10} {'RANK':>5} {'RANK STATE':<10} {'STEP':>8} {'HOST':<20} LAST ACTION")
+    try:
+        rows = _status_rows(runs)
+    except (KeyError, TypeError, AttributeError):
+        raise CliError(f"agent {args.agent} answered runs in a form this CLI does not know; try --json") from None
+    print("\n".join(rows))
+    return 0
+
+
+def _status_rows(runs: list[dict[str, Any]]) -> list[str]:
+    rows = [f"{'RUN':<20} {'STATE':<10} {'RANK':>5} {'RANK STATE':<10} {'STEP':>8} {'HOST':<20} LAST ACTION"]
     for run in runs:
         last = run.get("last_action") or {}
         summary = f"{last.get('action', '-')} {last.get('outcome', '')} @{last.get('step', '')}" if last else "-"
         for r in run["ranks"]:
-            print(f"{run['run']:<20} {run['state']:<10} {r['rank']:>5} {r['state']:<10} {r['step']:>8} "
-                  f"{r['host'][:20]:<20} {summary}")
+            rows.append(f"{run['run']:<20} {run['state']:<10} {r['rank']:>5} {r['state']:<10} {r['step']:>8} "
+                        f"{r['host'][:20]:<20} {summary}")
         if run.get("last_checkpoint"):
-            print(f"{'':<20} last checkpoint: {run['last_checkpoint']}")
-    return 0
+            rows.append(f"{'':<20} last checkpoint: {run['last_checkpoint']}")
+    return rows
