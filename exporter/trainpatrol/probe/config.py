@@ -18,6 +18,14 @@ def _env_token() -> str:
     return Path(path).read_text().strip() if path else ""
 
 
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"{name} has value {raw!r}. Not a number of seconds.") from None
+
+
 @dataclass
 class PatrolConfig:
     run: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_RUN", "default"))
@@ -25,7 +33,8 @@ class PatrolConfig:
     token: str = field(default_factory=_env_token)
     embedded_agent: bool = True
     """Local rank 0 starts a detached agent when none answers on a loopback URL (probe/embedded.py)."""
-    embedded_agent_idle_seconds: float = 60.0
+    embedded_agent_idle_seconds: float = field(
+        default_factory=lambda: _env_seconds("TRAINPATROL_EMBEDDED_AGENT_IDLE_SECONDS", 60.0))
     """The embedded agent exits when no rank on the host has pushed to it for this long."""
     push_interval_seconds: float = 1.0
     window: int = 100
