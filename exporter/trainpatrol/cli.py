@@ -1,22 +1,81 @@
-"""The ``trainpatrol`` command: maps flags onto configs and calls the components; no logic of its own."""
+"""The ``trainpatrol`` command. Flags map onto the components' configs; what is left here is turning
+every failure a user can cause into one line on stderr and a non-zero exit, never a traceback."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import http.client
+import importlib.metadata
 import json
 import logging
 import os
+import socket
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from .agent.config import EMBEDDED_IDLE_SECONDS
 from .control.actions import ACTIONS
 from .shipped import KINDS, export
 
 DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400")
 FAULTS = ("nan", "grad_spike", "fragmentation", "loader_stall", "none")
+DESCRIPTION = """Watches PyTorch training runs, exports their health to Prometheus, and pauses, checkpoints
+or stops a sick run. Training processes use Patrol (from trainpatrol import Patrol); this command
+runs the agent they push to, operates runs through it, and renders evidence reports."""
+EXAMPLES = """examples:
+  trainpatrol demo                       train a small model, inject a NaN, watch it pause and resume
+  trainpatrol agent --port 9400          serve /metrics, the control API and the Alertmanager webhook
+  trainpatrol status
+  trainpatrol status my-run --json
+  trainpatrol pause my-run --reason "loss looks off"
+  trainpatrol resume my-run
+  trainpatrol report trainpatrol/evidence/20250101T000000Z-step00000150-pause
+
+The agent URL comes from --agent or TRAINPATROL_AGENT_URL (default http://127.0.0.1:9400); a token from
+--token-file, TRAINPATROL_TOKEN_FILE or TRAINPATROL_TOKEN. `trainpatrol COMMAND --help` describes each."""
+
+
+class CliError(Exception):
+    """A failure the user can act on: ``main`` prints it as one line and exits 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line instead of argparse's usage block: the message names the flag and the value."""
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _agent_url(value: str) -> str:
+    parsed = urllib.parse.urlparse(value)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an agent URL; expected http://HOST:PORT")
+    try:
+        parsed.port  # noqa: B018 -- raises on a port that is not a number
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an agent URL: {exc}") from None
+    return value
+
+
+def _fault(value: str) -> str:
+    fault, at, step = value.partition("@")
+    if fault not in FAULTS or (at and not (step.isdigit() and int(step) > 0)):
+        raise argparse.ArgumentTypeError(f"{value!r} is not FAULT@STEP with FAULT one of {', '.join(FAULTS)} "
+                                         "and STEP a positive step number")
+    return value
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trainpatrol")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+        from . import __version__
+
+        return __version__
 
 
 def _agent_parser(sub: Any) -> None:
@@ -38,6 +97,9 @@ def _agent_parser(sub: Any) -> None:
     p.add_argument("--nvml-fake", help="serve recorded NVML readings from this fixture instead of a GPU")
     p.add_argument("--rank-up-ttl", type=float, dest="rank_up_ttl_seconds")
     p.add_argument("--rank-expire", type=float, dest="rank_expire_seconds")
+    p.add_argument("--exit-when-idle", type=float, dest="exit_when_idle_seconds", metavar="SECONDS",
+                   help="exit when no rank has pushed for SECONDS (default 0: never; an embedded agent uses "
+                        f"{EMBEDDED_IDLE_SECONDS:g})")
     p.add_argument("--log-level")
 
 
@@ -55,7 +117,7 @@ def _control_parsers(sub: Any) -> None:
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", default=DEFAULT_AGENT, help=f"agent URL (default {DEFAULT_AGENT})")
+    p.add_argument("--agent", default=DEFAULT_AGENT, type=_agent_url, help=f"agent URL (default {DEFAULT_AGENT})")
     p.add_argument("--token-file", help="file holding the bearer token (or TRAINPATROL_TOKEN)")
 
 
@@ -66,7 +128,7 @@ def _demo_parser(sub: Any) -> None:
     p.add_argument("--agent-url", default="http://127.0.0.1:9400",
                    help="the agent (started if none answers); with --stack the demo starts its own agent, with a "
                         "token, on this port or a free one")
-    p.add_argument("--inject", help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)} "
+    p.add_argument("--inject", type=_fault, help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)} "
                                     "(default nan@150; with --stack grad_spike@200)")
     p.add_argument("--step-sleep", type=float, default=0.02, help="extra seconds per step, to watch it live")
     p.add_argument("--auto-resume", type=float, default=3.0,
@@ -84,7 +146,9 @@ def _demo_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainpatrol", description=__doc__)
+    parser = _Parser(prog="trainpatrol", description=DESCRIPTION, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"trainpatrol {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _agent_parser(sub)
     _control_parsers(sub)
@@ -101,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except CliError as exc:
+        print(f"trainpatrol {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "agent":
         return _agent(args)
     if args.command == "demo":
@@ -119,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return _status(args)
     if args.command == "report":
-        from .report import write_report
-
-        print(write_report(Path(args.bundle)))
-        return 0
+        return _report(Path(args.bundle))
     return _action(args)
 
 
@@ -133,6 +204,21 @@ def _export(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"trainpatrol export {args.kind}: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _report(path: Path) -> int:
+    from .report import write_report
+    from .report.bundle import NotABundle
+
+    if not path.is_dir():
+        raise CliError(f"{path} is not a directory")
+    try:
+        print(write_report(path))
+    except NotABundle as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot write the report into {path}: {exc.strerror or exc}") from None
     return 0
 
 
@@ -149,27 +235,70 @@ def _agent(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trainpatrol agent: {exc}", file=sys.stderr)
         return 2
+    problem = _cannot_bind(config.host, config.port)
+    if problem:
+        print(f"trainpatrol agent: {problem}", file=sys.stderr)
+        return 1
     serve(config)
     return 0
 
 
+def _cannot_bind(host: str, port: int) -> str:
+    """Why the agent could not listen on ``host:port``, or "" when it can. Asked before uvicorn starts,
+    whose own failure comes after its whole start-up log; a port taken in between still fails there."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as exc:
+        return f"cannot resolve host {host!r}: {exc.strerror or exc}"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"port {port} on {host} is taken (another agent?); pick another with --port"
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return ""
+
+
 def _token(args: argparse.Namespace) -> str:
-    if getattr(args, "token_file", None):
-        return Path(args.token_file).read_text().strip()
-    if os.environ.get("TRAINPATROL_TOKEN_FILE"):
-        return Path(os.environ["TRAINPATROL_TOKEN_FILE"]).read_text().strip()
+    path = getattr(args, "token_file", None) or os.environ.get("TRAINPATROL_TOKEN_FILE")
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise CliError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
     return os.environ.get("TRAINPATROL_TOKEN", "")
 
 
 def _call(args: argparse.Namespace, path: str, body: Any = None) -> Any:
+    """The agent's JSON answer. An HTTP error status is raised as ``HTTPError`` for the caller to word;
+    an agent that cannot be reached, or answers something that is not JSON, is a ``CliError``."""
     req = urllib.request.Request(args.agent.rstrip("/") + path, method="POST" if body is not None else "GET",
                                  data=None if body is None else json.dumps(body).encode())
     req.add_header("Content-Type", "application/json")
     token = _token(args)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError:
+        raise
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        why = (reason.strerror or str(reason)) if isinstance(reason, OSError) else str(reason)
+        raise CliError(f"cannot reach agent {args.agent} ({why})") from None
+    except (OSError, http.client.HTTPException) as exc:  # a timeout, a reset, a broken answer
+        raise CliError(f"cannot reach agent {args.agent} ({getattr(exc, 'strerror', None) or exc})") from None
+    except ValueError:
+        raise CliError(f"agent {args.agent} answered something that is not JSON; is it a trainpatrol agent?") \
+            from None
+
+
+def _answered(args: argparse.Namespace, exc: urllib.error.HTTPError) -> CliError:
+    body = exc.read().decode("utf-8", "replace")
+    return CliError(f"agent {args.agent} answered {exc.code}: {_detail(body) or body[:200] or exc.reason}")
 
 
 def _action(args: argparse.Namespace) -> int:
@@ -179,14 +308,10 @@ def _action(args: argparse.Namespace) -> int:
     try:
         reply = _call(args, f"/v1/runs/{args.run}/actions", {"action": args.action, "reason": args.reason})
     except urllib.error.HTTPError as exc:
+        if exc.code not in (404, 409):
+            raise _answered(args, exc) from None
         body = exc.read().decode("utf-8", "replace")
-        if exc.code in (404, 409):
-            print(_detail(body) or f"no live rank of run {args.run} on this agent", file=sys.stderr)
-        else:
-            print(f"trainpatrol {args.action}: agent answered {exc.code}: {body}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"trainpatrol {args.action}: cannot reach agent {args.agent}: {exc}", file=sys.stderr)
+        print(_detail(body) or f"no live rank of run {args.run} on this agent", file=sys.stderr)
         return 1
     live = int(reply.get("live_ranks", 0))
     print(f"{args.action} queued for run {args.run} (id {reply['id']}; {live} live rank{'' if live == 1 else 's'})")
@@ -205,19 +330,31 @@ def _detail(body: str) -> str:
 def _status(args: argparse.Namespace) -> int:
     try:
         runs = [_call(args, f"/v1/runs/{args.run}")] if args.run else _call(args, "/v1/runs")["runs"]
-    except (OSError, urllib.error.HTTPError) as exc:
-        print(f"trainpatrol status: {exc}", file=sys.stderr)
-        return 1
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404 and args.run:
+            raise CliError(f"run {args.run} is unknown on agent {args.agent}") from None
+        raise _answered(args, exc) from None
+    except (KeyError, TypeError):
+        raise CliError(f"agent {args.agent} answered without a list of runs; is it a trainpatrol agent?") from None
     if args.json:
         print(json.dumps(runs, indent=2))
         return 0
-    print(f"{'RUN':<20} {'STATE':<10} {'RANK':>5} {'RANK STATE':<10} {'STEP':>8} {'HOST':<20} LAST ACTION")
+    try:
+        rows = _status_rows(runs)
+    except (KeyError, TypeError, AttributeError):
+        raise CliError(f"agent {args.agent} answered runs in a form this CLI does not know; try --json") from None
+    print("\n".join(rows))
+    return 0
+
+
+def _status_rows(runs: list[dict[str, Any]]) -> list[str]:
+    rows = [f"{'RUN':<20} {'STATE':<10} {'RANK':>5} {'RANK STATE':<10} {'STEP':>8} {'HOST':<20} LAST ACTION"]
     for run in runs:
         last = run.get("last_action") or {}
         summary = f"{last.get('action', '-')} {last.get('outcome', '')} @{last.get('step', '')}" if last else "-"
         for r in run["ranks"]:
-            print(f"{run['run']:<20} {run['state']:<10} {r['rank']:>5} {r['state']:<10} {r['step']:>8} "
-                  f"{r['host'][:20]:<20} {summary}")
+            rows.append(f"{run['run']:<20} {run['state']:<10} {r['rank']:>5} {r['state']:<10} {r['step']:>8} "
+                        f"{r['host'][:20]:<20} {summary}")
         if run.get("last_checkpoint"):
-            print(f"{'':<20} last checkpoint: {run['last_checkpoint']}")
-    return 0
+            rows.append(f"{'':<20} last checkpoint: {run['last_checkpoint']}")
+    return rows

@@ -20,7 +20,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .cli import FAULTS
 from .probe.memory import MemoryReading
+from .report import REPORT_NAME
+
+if TYPE_CHECKING:
+    from .probe.patrol import Patrol
 
 DEFAULT_INJECT = "nan@150"
 STACK_INJECT = "grad_spike@200"
@@ -60,6 +64,9 @@ class SimulatedAllocator:
     def __init__(self) -> None:
         self.fragmented = False
         self.calls = 0
+
+    def __repr__(self) -> str:  # the evidence's config.json records it, and the report names it
+        return "SimulatedAllocator()"
 
     def __call__(self) -> MemoryReading:
         self.calls += 1
@@ -366,6 +373,15 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
         patrol.publisher.push_now()
         _print_mission_metrics(agent_url, args.run)
     stop.set()
-    print(f"[demo] done: {patrol.step_count} steps. Evidence: {patrol.last_evidence or 'none'}; "
+    print(f"[demo] done: {patrol.step_count} steps. {_evidence_line(patrol)}; "
           f"last checkpoint: {patrol.last_checkpoint or 'none'}", flush=True)
     return 0
+
+
+def _evidence_line(patrol: Patrol) -> str:
+    """Points at the pause's bundle, the incident the demo is about, rather than whatever came last
+    (a periodic checkpoint writes a bundle too)."""
+    pause = next((a for a in reversed(patrol.actions) if a.action == "pause" and a.evidence), None)
+    if pause is None:
+        return f"Evidence: {patrol.last_evidence or 'none'}"
+    return f"The pause's evidence: {pause.evidence} (open {Path(pause.evidence) / REPORT_NAME})"

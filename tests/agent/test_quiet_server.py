@@ -60,14 +60,17 @@ def test_idle_agent_wakes_once_a_second_keeps_its_date_fresh_and_stops_at_once(t
 
 
 def test_agent_on_a_taken_port_fails_as_uvicorn_run_does(tmp_path: Path) -> None:
+    """``serve`` itself, as when the port is taken after the CLI found it free (tests/test_cli.py has the
+    CLI's one-line answer to a port taken beforehand)."""
     import socket
 
+    code = ("import sys; from trainpatrol.agent.config import AgentConfig; from trainpatrol.agent.server import serve; "
+            "serve(AgentConfig(port=int(sys.argv[1]), nvml=False))")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port",
-                                 str(port), "--no-nvml"], capture_output=True, text=True, timeout=60,
+        result = subprocess.run([sys.executable, "-c", code, str(port)], capture_output=True, text=True, timeout=60,
                                 env=python_env())
     assert result.returncode == 3
     assert "address already in use" in result.stderr

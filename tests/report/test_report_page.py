@@ -1,4 +1,4 @@
-"""Issue 11: report.html from real bundles, and from copies edited to hold what a real incident may hold
+"""report.html from real bundles, and from copies edited to hold what a real incident may hold
 (an alert, Inf values, a DataLoader audit, missing parts, hostile text)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from loops import run_scripted, scripted_patrol
 from trainpatrol.cli import main
 from trainpatrol.probe.loader import ADVICE
 from trainpatrol.report import write_report
-from trainpatrol.report.runbook import BUILTIN, anchor, lookup, markdown_html, sections
+from trainpatrol.report.runbook import BUILTIN, RUNBOOK_URL, anchor, lookup, markdown_html, sections
 
 RUNBOOK = """# Runbooks
 
@@ -87,7 +87,7 @@ def test_the_run_wrote_its_report(real_bundle: Path) -> None:
     assert "does not name its cause" not in page
     assert f'id="line-loss-rank{NAN_RANK}"' in _svg(page)
     loader = page[page.index('<section id="loader">'):page.index('<section id="gpu">')]
-    assert f"<h3>Ranks 0-{WORLD - 1}</h3>" in loader  # the run's DataLoader, audited on every rank
+    assert f"<h3>Ranks {', '.join(map(str, range(WORLD)))}</h3>" in loader  # the run's DataLoader, on every rank
     assert "<td>num_workers</td><td>0</td>" in loader and ADVICE["num_workers_zero"] in loader
 
 
@@ -200,7 +200,7 @@ def test_loader_audit_with_its_advice(bundle_copy: Path) -> None:
     _edit_json(bundle_copy / "rank-00001" / "extra.json", lambda d: {**d, "loader_audit": audit})
     page = write_report(bundle_copy).read_text()
     loader = page[page.index('<section id="loader">'):page.index('<section id="gpu">')]
-    assert "<h3>Ranks 0</h3>" in loader and "<h3>Ranks 1</h3>" in loader
+    assert "<h3>Rank 0</h3>" in loader and "<h3>Rank 1</h3>" in loader
     assert "<td>num_workers</td><td>0</td>" in loader and "<td>num_workers</td><td>4</td>" in loader
     assert ADVICE["num_workers_zero"] in loader and ADVICE["pin_memory_off"] in loader
     assert "carries no DataLoader audit" not in loader
@@ -212,7 +212,7 @@ def test_missing_audit_and_non_dataloader_are_said(bundle_copy: Path) -> None:
     _edit_json(bundle_copy / "rank-00001" / "extra.json", lambda d: {**d, "loader_audit": None})
     page = write_report(bundle_copy).read_text()
     assert "did not come from a torch DataLoader" in page
-    assert "This bundle carries no DataLoader audit for ranks 0" in page
+    assert "This bundle carries no DataLoader audit for rank 0 " in page
     assert "Measured wait for batches" in page
 
 
@@ -223,7 +223,7 @@ def test_missing_parts_are_noted_not_fatal(bundle_copy: Path) -> None:
     (bundle_copy / "trigger.json").unlink()
     (bundle_copy / "rank-00000" / "nvml.json").write_text("{not json")
     page = write_report(bundle_copy).read_text()
-    assert "1 of 2 ranks wrote no part: ranks 1." in page
+    assert "1 of 2 ranks wrote no part: rank 1." in page
     assert "trigger.json is missing." in page
     assert "rank-00000/nvml.json could not be read" in page
     assert 'id="line-loss-rank0"' in page and "rank1" not in _svg(page)
@@ -234,7 +234,7 @@ def test_unavailable_gpu_readings_say_why(bundle_copy: Path) -> None:
     for part in ("rank-00000", "rank-00001"):
         (bundle_copy / part / "nvml.json").write_text(unavailable)
     page = write_report(bundle_copy).read_text()
-    assert "No GPU readings (read by ranks 0-1): agent did not answer." in page
+    assert "No GPU readings (read by ranks 0, 1): agent did not answer." in page
 
 
 def test_hostile_text_is_escaped(bundle_copy: Path) -> None:
@@ -273,7 +273,7 @@ def test_oom_bundle_from_patrol(tmp_path: Path) -> None:
     assert "an exception raised in the training loop" in page
     assert "Tried to allocate 2.00 GiB" in page
     assert "+Inf at step 4, rank 0" in _svg(page)
-    assert "The run ran out of device memory." in page  # the built-in hint: no runbook has an "oom" section
+    assert "section “TrainPatrolOOMRisk”" in page  # the runbook of the checkout (none.md does not exist)
     assert "raised an out-of-memory error" in page
 
 
@@ -288,3 +288,99 @@ def test_runbook_parsing() -> None:
     assert lookup([], None).title == "A request by hand"
     assert "built-in hint (no runbook file was found" in lookup(["nonfinite_grad"], None).origin
     assert all(guard in BUILTIN for guard in ("nonfinite_loss", "nonfinite_grad", "oom_risk", "memory_fragmentation"))
+
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_RUNBOOKS = REPO / "docs" / "runbooks.md"
+
+
+def _section(page: str, name: str) -> str:
+    start = page.index(f'<section id="{name}">')
+    return page[start:page.index("</section>", start)]
+
+
+def test_runbook_references_become_links_and_emphasis_is_rendered(tmp_path: Path) -> None:
+    runbooks = tmp_path / "runbooks.md"
+    runbooks.write_text("# Runbooks\n\n## Counters and new series\n\nHow counters start.\n\n"
+                        "## TrainPatrolNonFiniteLoss\n\nA new series fires too (see *Counters and new series* "
+                        "above). Also [the counters](#counters-and-new-series), *really* new, and `a*b*c`.\n")
+    link = f'<a href="{RUNBOOK_URL}#counters-and-new-series">'
+    assert lookup(["TrainPatrolNonFiniteLoss"], runbooks).body_html == (
+        f"<p>A new series fires too (see {link}Counters and new series</a> in the runbooks). "
+        f"Also {link}the counters</a>, <em>really</em> new, and <code>a*b*c</code>.</p>")
+
+
+def test_the_shipped_runbooks_have_no_dangling_reference_or_stray_asterisk() -> None:
+    secs = sections(SHIPPED_RUNBOOKS.read_text())
+    for title, _ in secs.values():
+        body = lookup([title], SHIPPED_RUNBOOKS).body_html
+        text = re.sub(r"<code>.*?</code>|<pre>.*?</pre>", "", body, flags=re.S)
+        assert "*" not in text, title
+        assert re.findall(r"see [^.()]*\babove\b", text) == [], title
+        for target in re.findall(r'href="([^"]+)"', body):
+            assert not target.startswith("#"), (title, target)  # a page anchor would point into the report
+            if target.startswith(RUNBOOK_URL + "#"):
+                assert target.split("#", 1)[1] in secs, (title, target)
+
+
+def test_runbook_links_point_where_the_shipped_alerts_do() -> None:
+    urls = re.findall(r"runbook_url: (\S+)", (REPO / "alerting" / "rules.yml").read_text())
+    assert urls and {u.split("#", 1)[0] for u in urls} == {RUNBOOK_URL}
+
+
+def test_a_driver_version_that_was_not_read_is_said(bundle_copy: Path) -> None:
+    for part in ("rank-00000", "rank-00001"):
+        _edit_json(bundle_copy / part / "nvml.json", lambda d: {**d, "driver_version": ""})
+    gpu = _section(write_report(bundle_copy).read_text(), "gpu")
+    assert "<h3>Driver version not read, read by ranks 0, 1</h3>" in gpu
+    assert "Driver ," not in gpu
+
+
+def test_nvml_without_gpus_says_there_are_no_readings(bundle_copy: Path) -> None:
+    cpu = {"available": True, "error": "NVMLError_LibraryNotFound: NVML Shared Library Not Found",
+           "timestamp": None, "driver_version": "", "gpus": [], "xid": []}
+    (bundle_copy / "rank-00000" / "nvml.json").write_text(json.dumps(cpu))
+    gpu = _section(write_report(bundle_copy).read_text(), "gpu")
+    assert ("No GPU readings (read by rank 0): NVML reported NVMLError_LibraryNotFound: "
+            "NVML Shared Library Not Found.") in gpu
+    assert "<h3>Driver" in gpu  # rank 1's readings are still there
+
+
+def test_rank_headings_say_rank_for_one_and_ranks_for_several(bundle_copy: Path) -> None:
+    loader = _section(write_report(bundle_copy).read_text(), "loader")
+    assert "<h3>Ranks 0, 1</h3>" in loader
+    _edit_json(bundle_copy / "rank-00001" / "extra.json",
+               lambda d: {**d, "loader_audit": {**d["loader_audit"], "num_workers": 4}})
+    loader = _section(write_report(bundle_copy).read_text(), "loader")
+    assert "<h3>Rank 0</h3>" in loader and "<h3>Rank 1</h3>" in loader
+    assert "Ranks 0<" not in loader
+
+
+def test_simulated_memory_figures_say_they_are_simulated(bundle_copy: Path) -> None:
+    page = write_report(bundle_copy).read_text()
+    simulated = ("The allocated, reserved and fragmentation panels plot simulated values for ranks 0, 1: "
+                 "their memory readings came from PatrolConfig.memory_reader = SimulatedAllocator(), "
+                 "not from a CUDA allocator.")
+    assert simulated in _section(page, "timeline")
+    assert 'id="simulated-allocated"' in _svg(page) and 'id="simulated-fragmentation"' in _svg(page)
+    memory = _section(page, "memory")
+    assert memory.count("This rank has no CUDA allocator: the memory figures in the timeline are simulated "
+                        "(PatrolConfig.memory_reader = SimulatedAllocator()).") == 2
+
+
+def test_memory_from_the_cuda_allocator_is_not_called_simulated(bundle_copy: Path) -> None:
+    for part in ("rank-00000", "rank-00001"):
+        _edit_json(bundle_copy / part / "config.json", lambda d: {**d, "memory_reader": "None"})
+    page = write_report(bundle_copy).read_text()
+    assert "simulated" not in page
+
+
+def test_an_oom_report_uses_the_oom_runbook_section(tmp_path: Path) -> None:
+    patrol = scripted_patrol(tmp_path, guard_actions={})
+    run_scripted(patrol, [1.0, 0.9], grad_norms=[1.0] * 2)
+    bundle = patrol.oom_forensics(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    patrol.close()
+    nxt = _section(write_report(bundle, runbooks=SHIPPED_RUNBOOKS).read_text(), "next")
+    assert nxt.startswith('<section id="next"><h2>What to do next</h2><h3>TrainPatrolOOMRisk</h3>')
+    assert f"From {SHIPPED_RUNBOOKS}, section “TrainPatrolOOMRisk”." in nxt
+    assert "has no section" not in nxt

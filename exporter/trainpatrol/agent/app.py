@@ -151,6 +151,8 @@ class Agent:
         self.api = self._build()
         self._scraped = False
         """A scrape came since the last batch of stream lines."""
+        self.last_push = time.monotonic()
+        """When a rank last pushed (or the agent started): scrapes and API calls do not keep an idle agent up."""
         self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
                             max_body=config.max_push_bytes, metrics=self.metrics,
                             health=self._health, stream_idle_seconds=config.rank_expire_seconds,
@@ -173,9 +175,14 @@ class Agent:
         """Store a valid, authorised push and lay out its series; returns the commands for its reply.
         ``same_series_as``: a snapshot known to have the same series (a delta line's base)."""
         commands = self.store.push(snapshot)
+        self.last_push = time.monotonic()
         self.ranks.prepare(snapshot, same_series_as)
         self.stats.count("pushes", "ok")
         return commands
+
+    def idle_for(self) -> float:
+        """Seconds since a rank last pushed (or since the agent started)."""
+        return time.monotonic() - self.last_push
 
     def _health(self) -> dict[str, Any]:
         return {"status": "ok", "mode": self.config.mode, "version": __version__}

@@ -13,6 +13,9 @@ from ..control.actions import ACTIONS
 Mode = Literal["agent", "router"]
 
 DEFAULT_PORT = 9400
+EMBEDDED_IDLE_SECONDS = 60.0
+"""An embedded agent (probe.embedded) exits when no rank has pushed for this long; it outlives a pause,
+since a paused rank keeps pushing, and a run restarted within it finds the same agent."""
 DEFAULT_ALLOWED_ACTIONS = ("checkpoint", "pause", "capture", "empty_cache", "stop")
 
 
@@ -52,12 +55,18 @@ class AgentConfig:
     webhook_dedupe_size: int = 10000
     max_push_bytes: int = 1_000_000
     log_level: str = "info"
+    exit_when_idle_seconds: float = 0.0
+    """Exit when no rank has pushed for this long (0: never). An embedded agent runs detached from the
+    run that started it, so other runs on the host keep it; this is how it goes once all have ended."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def load(self) -> AgentConfig:
         """Validate, read the token file, and enforce the fail-closed rule."""
         if not 0 < self.port < 65536:
             raise ConfigError(f"Config 'port' has value {self.port!r}. Not a valid TCP port.")
+        if self.exit_when_idle_seconds < 0:
+            raise ConfigError(f"Config 'exit_when_idle_seconds' has value {self.exit_when_idle_seconds!r}. "
+                              "Expected 0 (never) or more.")
         if self.mode not in ("agent", "router"):
             raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
         unknown = [a for a in self.allowed_actions if a not in ACTIONS]

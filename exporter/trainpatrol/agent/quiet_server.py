@@ -9,6 +9,7 @@ refreshes the Date header once a second, as uvicorn does, and a shutdown signal 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -17,8 +18,10 @@ import uvicorn
 class QuietServer(uvicorn.Server):
     tick_seconds = 1.0
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, should_stop: Callable[[], bool] = lambda: False) -> None:
         super().__init__(config)
+        self._should_stop = should_stop
+        """Asked once a tick: True ends the server as a shutdown signal would (an idle agent, say)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick: asyncio.Future[None] | None = None
 
@@ -26,6 +29,8 @@ class QuietServer(uvicorn.Server):
         self._loop = loop = asyncio.get_running_loop()
         counter = 0
         while not await self.on_tick(counter):  # a multiple of 10: on_tick refreshes the Date header
+            if self._should_stop():
+                self.should_exit = True  # on_tick sees it next and returns True
             counter = (counter + 10) % 864_000
             self._tick = loop.create_future()
             timer = loop.call_later(self.tick_seconds, self._wake)

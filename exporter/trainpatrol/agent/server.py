@@ -58,10 +58,20 @@ def serve(config: AgentConfig) -> None:
     gc.freeze()
     gc.set_threshold(10_000, 50, 100)
     log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)
+    idle = config.exit_when_idle_seconds
+    if idle:
+        log.info("exits when no rank has pushed for %g s", idle)
+
+    def idle_too_long() -> bool:
+        if idle and agent.idle_for() > idle:
+            log.info("no rank has pushed for %g s: exiting", idle)
+            return True
+        return False
+
     try:
         server = QuietServer(uvicorn.Config(agent.app, host=config.host, port=config.port,
                                             log_level=config.log_level, access_log=False,
-                                            timeout_graceful_shutdown=2))
+                                            timeout_graceful_shutdown=2), should_stop=idle_too_long)
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
         if not server.started:  # the port was taken, say: fail as uvicorn.run does

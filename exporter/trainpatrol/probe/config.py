@@ -18,13 +18,24 @@ def _env_token() -> str:
     return Path(path).read_text().strip() if path else ""
 
 
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"{name} has value {raw!r}. Not a number of seconds.") from None
+
+
 @dataclass
 class PatrolConfig:
     run: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_RUN", "default"))
     agent_url: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400"))
     token: str = field(default_factory=_env_token)
     embedded_agent: bool = True
-    """Local rank 0 starts an agent child process when none answers on a loopback URL."""
+    """Local rank 0 starts a detached agent when none answers on a loopback URL (probe/embedded.py)."""
+    embedded_agent_idle_seconds: float = field(
+        default_factory=lambda: _env_seconds("TRAINPATROL_EMBEDDED_AGENT_IDLE_SECONDS", 60.0))
+    """The embedded agent exits when no rank on the host has pushed to it for this long."""
     push_interval_seconds: float = 1.0
     window: int = 100
     """Steps over which window statistics (mean, max, ratios, slope) are computed."""

@@ -1,4 +1,11 @@
-"""Starts an agent as a child process when none answers, so ``python train.py`` alone has /metrics."""
+"""Starts an agent when none answers, so ``python train.py`` alone has /metrics.
+
+The agent is detached (its own session, no pipe to the run) and the run that started it never ends
+it: another run on the host may have found it answering and push to it. It exits by itself once no
+rank has pushed for ``EMBEDDED_IDLE_SECONDS`` (``trainpatrol agent --exit-when-idle``). Two runs that
+start one at the same moment end with one agent: the second cannot bind the port and exits, and both
+runs wait for whichever agent answers ``/healthz``.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,20 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 
-from .._process import terminate
+from ..agent.config import EMBEDDED_IDLE_SECONDS
 
 log = logging.getLogger("trainpatrol")
+
+STARTUP_SECONDS = 30.0
+"""How long a run waits for the agent it started to answer (it imports FastAPI: 1-3 s here)."""
+
+_started: list[subprocess.Popen[bytes]] = []
+"""Agents this process started. Held so that no ``Popen`` is collected while its agent runs (which
+warns "subprocess is still running") and so that one which exited is reaped."""
 
 
 def agent_answers(url: str, timeout: float = 0.5) -> bool:
@@ -23,22 +38,53 @@ def agent_answers(url: str, timeout: float = 0.5) -> bool:
         return False
 
 
-def start_embedded_agent(url: str, extra_args: list[str] | None = None) -> subprocess.Popen[bytes] | None:
-    """Start ``trainpatrol agent`` on the URL's loopback port; None when the URL is not loopback."""
+def is_loopback_url(url: str) -> bool:
+    return urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost")
+
+
+def wait_for_agent(url: str, seconds: float = STARTUP_SECONDS) -> bool:
+    """Whether an agent answers at ``url`` within ``seconds``: the other local ranks wait so for the one
+    local rank 0 starts, rather than warn that their first pushes were refused."""
+    started = time.monotonic()
+    while not agent_answers(url):
+        if time.monotonic() - started > seconds:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def start_embedded_agent(url: str, extra_args: list[str] | None = None,
+                         idle_seconds: float = EMBEDDED_IDLE_SECONDS,
+                         wait_seconds: float = STARTUP_SECONDS) -> bool:
+    """Start ``trainpatrol agent`` on the URL's loopback port and wait until an agent answers there.
+
+    Returns whether one answers: the one started here, or one another run started meanwhile. False
+    (with one warning) when the URL is not loopback or no agent answered within ``wait_seconds``."""
     parsed = urllib.parse.urlparse(url)
-    if parsed.hostname not in ("127.0.0.1", "localhost"):
+    if not is_loopback_url(url):
         log.warning("trainpatrol: no agent answers at %s and it is not loopback; not starting one", url)
-        return None
+        return False
     port = parsed.port or 9400
     log_path = os.path.join(tempfile.gettempdir(), f"trainpatrol-agent-{port}.log")
     cmd = [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port),
-           *(extra_args or [])]
+           "--exit-when-idle", f"{idle_seconds:g}", *(extra_args or [])]
+    for old in list(_started):
+        if old.poll() is not None:
+            _started.remove(old)
     with open(log_path, "ab") as out:
+        # A new session: a Ctrl-C or SIGHUP meant for the run does not reach the agent other runs use
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    log.warning("trainpatrol: started an embedded agent on http://127.0.0.1:%d/metrics (log %s)", port, log_path)
-    return proc
-
-
-def stop_embedded_agent(proc: subprocess.Popen[bytes] | None) -> None:
-    terminate(proc, timeout=5)
+                                start_new_session=True, close_fds=True)
+    _started.append(proc)
+    started = time.monotonic()
+    while time.monotonic() - started < wait_seconds:
+        if agent_answers(url):
+            log.info("trainpatrol: an embedded agent serves http://127.0.0.1:%d/metrics; it exits %g s after "
+                     "the last rank's push (log %s)", port, idle_seconds, log_path)
+            return True
+        if proc.poll() is not None and time.monotonic() - started > 5:
+            break  # ours exited (the port is taken) and no agent came up on it since
+        time.sleep(0.1)
+    log.warning("trainpatrol: started an agent on port %d but none answers there (log %s); pushes will retry",
+                port, log_path)
+    return False

@@ -36,7 +36,7 @@ from ..protocol import ActionRecord
 from ..report import write_report_quietly
 from . import device_values as dv
 from .config import PatrolConfig
-from .embedded import agent_answers, start_embedded_agent, stop_embedded_agent
+from .embedded import agent_answers, is_loopback_url, start_embedded_agent, wait_for_agent
 from .guards import Guards
 from .host_memory import HostMemory, worker_pids
 from .identity import detect
@@ -131,9 +131,13 @@ class Patrol:
         self.executor = Executor(self)
         if cfg.record_memory_history:
             set_recording(True)
-        self._agent_proc = None
-        if cfg.embedded_agent and self.identity.local_rank == 0 and not agent_answers(cfg.agent_url):
-            self._agent_proc = start_embedded_agent(cfg.agent_url)
+        if cfg.embedded_agent and not agent_answers(cfg.agent_url):
+            # both wait for /healthz, so the first push finds the agent; it outlives this run (probe/embedded.py)
+            if self.identity.local_rank == 0:
+                start_embedded_agent(cfg.agent_url, idle_seconds=cfg.embedded_agent_idle_seconds)
+            elif is_loopback_url(cfg.agent_url) and not wait_for_agent(cfg.agent_url):
+                log.warning("trainpatrol: no agent answers at %s, and local rank 0 started none; pushes will retry",
+                            cfg.agent_url)
         self.publisher = Publisher(cfg.agent_url, self.snapshot, self._on_commands, token=cfg.token,
                                    interval=cfg.push_interval_seconds)
         self.publisher.start()
@@ -560,7 +564,6 @@ class Patrol:
         if self.state not in ("stopped",):
             self.state = "closed"
         self.publisher.stop(final_push=True)
-        stop_embedded_agent(self._agent_proc)
         if self._hooks is not None:
             self._hooks.remove()
 

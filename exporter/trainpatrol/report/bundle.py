@@ -49,6 +49,21 @@ class RankPart:
     has_snapshot: bool = False
 
     @property
+    def memory_reader(self) -> str:
+        """The ``PatrolConfig.memory_reader`` the rank ran with, "" for the default (torch's CUDA allocator)."""
+        reader = str(self.config.get("memory_reader") or "")
+        if reader in ("", "None"):
+            return ""
+        # a repr without its own __repr__ names the class and an address that means nothing later
+        return re.sub(r"^<(?:[\w.]+\.)?(\w+) object at 0x[0-9a-f]+>$", r"\1", reader)
+
+    @property
+    def simulated_memory(self) -> bool:
+        """The history's memory values came from a custom reader on a rank without a CUDA allocator."""
+        no_cuda = "no CUDA caching allocator" in self.memory_summary or self.versions.get("cuda", "") is None
+        return bool(self.memory_reader) and no_cuda
+
+    @property
     def steps(self) -> list[int]:
         return [int(r["step"] or 0) for r in self.history]
 
@@ -157,10 +172,18 @@ def read_rank(path: Path, rank: int, notes: list[str]) -> RankPart:
     return part
 
 
+class NotABundle(ValueError):
+    """The directory holds none of a bundle's own files: a page for it would describe nothing."""
+
+
 def load(path: Path) -> Bundle:
-    """Read the bundle at ``path``; raises only when ``path`` is not a directory."""
+    """Read the bundle at ``path``; raises only when ``path`` is not a directory or holds no part of a
+    bundle at all (a bundle missing some files is read, with notes)."""
     if not path.is_dir():
         raise FileNotFoundError(f"Evidence bundle {str(path)!r} is not a directory.")
+    if not any((path / name).exists() for name in ("manifest.json", "trigger.json")) and \
+            not any(_RANK_DIR.match(child.name) and child.is_dir() for child in path.iterdir()):
+        raise NotABundle(f"{path} is not an evidence bundle (no manifest.json, trigger.json or rank-NNNNN directory)")
     bundle = Bundle(path=path)
     notes = bundle.notes
     bundle.manifest = _dict(_read_json(path / "manifest.json", notes))
@@ -174,18 +197,24 @@ def load(path: Path) -> Bundle:
     if isinstance(world, int) and world > 0:
         missing = sorted(set(range(world)) - {r.rank for r in bundle.ranks})
         if missing:
-            notes.append(f"{len(missing)} of {world} ranks wrote no part: ranks {compact_ranks(missing)}.")
+            notes.append(f"{len(missing)} of {world} ranks wrote no part: {ranks_text(missing)}.")
     if not bundle.ranks:
         notes.append("The bundle holds no rank-NNNNN directory.")
     return bundle
 
 
 def compact_ranks(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    out: list[str] = []
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7, 8"``: runs of three or more become a range."""
+    runs: list[list[int]] = []
     for r in sorted(set(ranks)):
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        if runs and runs[-1][-1] == r - 1:
+            runs[-1].append(r)
         else:
-            out.append(str(r))
-    return ", ".join(out)
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+
+
+def ranks_text(ranks: list[int], capital: bool = False) -> str:
+    """``"rank 0"``, ``"ranks 0, 1"``, ``"ranks 0-7"``: the noun agrees with the count."""
+    noun = "Rank" if capital else "rank"
+    return f"{noun}{'s' if len(set(ranks)) > 1 else ''} {compact_ranks(ranks)}"

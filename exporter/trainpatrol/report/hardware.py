@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from ._html import details, esc, gib, note, num, pre, table
-from .bundle import Bundle, RankPart, compact_ranks
+from .bundle import Bundle, RankPart, ranks_text
 
 SUMMARY_LINES = 40
 STATS = (("allocated_bytes.all.current", "allocated"), ("reserved_bytes.all.current", "reserved"),
@@ -58,11 +58,17 @@ def gpus(bundle: Bundle) -> str:
         groups.setdefault(key, (nv, []))[1].append(part.rank)
     out = []
     for nv, ranks in groups.values():
-        who = f"read by rank{'s' if len(ranks) > 1 else ''} {compact_ranks(ranks)}"
+        who = f"read by {ranks_text(ranks)}"
         if not nv.get("available"):
             out.append(note(f"No GPU readings ({esc(who)}): {esc(nv.get('reason', 'unknown reason'))}.", "warn"))
             continue
-        head = f"<h3>Driver {esc(nv.get('driver_version', '?'))}, {esc(who)}</h3>"
+        if not any(isinstance(g, dict) for g in nv.get("gpus", [])):
+            # the agent answered but saw no GPU: a CPU host, or NVML could not be loaded
+            why = f"NVML reported {nv['error']}" if nv.get("error") else "NVML saw no GPU"
+            out.append(note(f"No GPU readings ({esc(who)}): {esc(why)}.", "warn"))
+            continue
+        driver = nv.get("driver_version")
+        head = f"<h3>{'Driver ' + esc(driver) if driver else 'Driver version not read'}, {esc(who)}</h3>"
         if nv.get("error"):
             head += note(f"The NVML sampler reported: {esc(nv['error'])}", "bad")
         rows = [_gpu_row(g) for g in nv.get("gpus", []) if isinstance(g, dict)]
@@ -99,6 +105,9 @@ def memory(bundle: Bundle) -> str:
         if len(lines) > SUMMARY_LINES:
             top += f"\n… {len(lines) - SUMMARY_LINES} more lines in {part.path.name}/memory_summary.txt"
         body += pre(top or "(memory_summary.txt is empty or missing)")
+        if part.simulated_memory:
+            body += note("This rank has no CUDA allocator: the memory figures in the timeline are simulated "
+                         f"(PatrolConfig.memory_reader = {esc(part.memory_reader)}).", "warn")
         if part.has_snapshot:
             body += note(f"<code>{esc(part.path.name)}/memory_snapshot.pickle</code> holds the allocation history: "
                          "open it in PyTorch's memory visualiser (pytorch.org/memory_viz, runs locally).")

@@ -21,6 +21,8 @@ ALERT_FOR_GUARD = {
     "oom_risk": "TrainPatrolOOMRisk",
 }
 """Each local guard and the shipped alert that watches the same condition (its runbook section)."""
+OOM_ALERT = "TrainPatrolOOMRisk"
+"""The alert whose runbook section covers an OOM that happened (its Next says what the forensics hold)."""
 
 _UNNAMED_SOURCES = ("", "agreed with another rank")
 # Memory fields are NaN on steps where the allocator was not sampled, so only an Inf there is a fault.
@@ -62,7 +64,8 @@ class Incident:
     def runbook_keys(self) -> list[str]:
         """Section names to look for in the runbooks, best first."""
         guard = self.guard or next((g for g, a in ALERT_FOR_GUARD.items() if a == self.alertname), "")
-        keys = [self.alertname, ALERT_FOR_GUARD.get(guard, ""), guard, "oom" if self.action == "oom" else ""]
+        oom = [OOM_ALERT, "oom"] if self.action == "oom" else []
+        keys = [self.alertname, ALERT_FOR_GUARD.get(guard, ""), guard, *oom]
         return list(dict.fromkeys(k for k in keys if k))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from .. import __version__
 from . import hardware, story
 from ._html import CSS, esc, note
-from .bundle import Bundle, load
+from .bundle import Bundle, load, ranks_text
 from .incident import Incident, read_incident
 from .runbook import find_runbooks
 from .timeline import PANELS, render_svg
@@ -37,7 +37,20 @@ def timeline(bundle: Bundle) -> str:
                "values (a DDP gradient norm) draw on top of each other, the highest rank on top.")
     if empty:
         caption += f" No values in this bundle for: {esc(', '.join(empty))}."
+    caption += _simulated(bundle, [p.title for p in PANELS if p.memory and counts[p.key]])
     return f'<figure class="timeline" id="timeline">{svg}<figcaption>{caption}</figcaption></figure>'
+
+
+def _simulated(bundle: Bundle, memory_panels: list[str]) -> str:
+    """A sentence for the caption when memory panels plot a simulated allocator's readings."""
+    ranks = [p for p in bundle.ranks if p.simulated_memory]
+    if not ranks or not memory_panels:
+        return ""
+    readers = sorted({p.memory_reader for p in ranks})
+    panels = ", ".join(memory_panels[:-1]) + (" and " if len(memory_panels) > 1 else "") + memory_panels[-1]
+    return (f" The {esc(panels)} panel{'s' if len(memory_panels) > 1 else ''} plot simulated values for "
+            f"{esc(ranks_text([p.rank for p in ranks]))}: their memory readings came from PatrolConfig.memory_reader "
+            f"= {esc(' / '.join(readers))}, not from a CUDA allocator.")
 
 
 def render(bundle: Bundle, inc: Incident, runbooks: Path | None) -> str:

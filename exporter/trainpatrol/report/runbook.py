@@ -14,6 +14,9 @@ from .. import __version__, shipped
 
 ENV = "TRAINPATROL_RUNBOOKS"
 PACKAGED = f"the runbooks of trainpatrol {__version__} (docs/runbooks.md)"
+RUNBOOK_URL = "https://github.com/trainpatrol/trainpatrol/blob/main/docs/runbooks.md"
+"""Where the shipped alerts' ``runbook_url`` points (alerting/config.py); the report's runbook links go there,
+since a ``#section`` link would point into the report page, which has none of the runbook's sections."""
 _HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 
 BUILTIN = {
@@ -130,7 +133,8 @@ def lookup(keys: list[str], runbooks: Path | None) -> Advice:
     for key in keys:
         if anchor(key) in secs:
             title, body = secs[anchor(key)]
-            return Advice(title, markdown_html(body), f"{_name(runbooks)}, section “{title}”")
+            return Advice(title, markdown_html(body, {a: t for a, (t, _) in secs.items()}),
+                          f"{_name(runbooks)}, section “{title}”")
     if runbooks is None:
         why = f"no runbook file was found: the packaged docs/runbooks.md, or ${ENV}"
     elif keys:
@@ -143,15 +147,31 @@ def lookup(keys: list[str], runbooks: Path | None) -> Advice:
     return Advice(keys[0] if keys else "A request by hand", body_html, f"a built-in hint ({why})")
 
 
-def inline(text: str) -> str:
-    """Escape, then render `code`, **bold** and [text](url) links (links are not fetched, only shown)."""
+def inline(text: str, headings: dict[str, str] | None = None) -> str:
+    """Escape, then render `code`, **bold**, *emphasis* and [text](url) links (links are not fetched, only
+    shown). ``headings`` (anchor -> title) are the runbook's sections: a ``#anchor`` link, or a "see
+    *Title* above" that names one, becomes a link to that section of the published runbooks."""
+    parts = re.split(r"(`[^`]+`)", text)  # code spans keep their asterisks and brackets
+    return "".join(f"<code>{html.escape(p[1:-1], quote=True)}</code>" if p.startswith("`") and len(p) > 1
+                   else _inline_text(p, headings or {}) for p in parts)
+
+
+def _inline_text(text: str, headings: dict[str, str]) -> str:
+    def see(m: re.Match[str]) -> str:
+        key = anchor(m.group(2))
+        if key not in headings:
+            return m.group(0)
+        return f"{m.group(1)}[{m.group(2)}](#{key}) in the runbooks"
+
+    text = re.sub(r"\b(see )\*([^*]+)\*(?: (?:above|below))?", see, text)
     out = html.escape(text, quote=True)
-    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
     out = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", out)
-    return re.sub(r"\[([^\]]+)\]\(((?:https?://|#)[^)\s]+)\)", r'<a href="\2">\1</a>', out)
+    out = re.sub(r"(?<![\w*])\*([^*\s](?:[^*]*[^*\s])?)\*(?![\w*])", r"<em>\1</em>", out)
+    out = re.sub(r"\[([^\]]+)\]\(#([\w-]+)\)", rf'<a href="{RUNBOOK_URL}#\2">\1</a>', out)
+    return re.sub(r"\[([^\]]+)\]\((https?://[^)\s]+)\)", r'<a href="\2">\1</a>', out)
 
 
-def markdown_html(md: str) -> str:
+def markdown_html(md: str, headings: dict[str, str] | None = None) -> str:
     """The small Markdown subset runbooks use: paragraphs, lists, fenced code, sub-headings, inline code."""
     out: list[str] = []
     para: list[str] = []
@@ -162,15 +182,16 @@ def markdown_html(md: str) -> str:
     def flush() -> None:
         nonlocal lst
         if para:
-            out.append(f"<p>{inline(' '.join(para))}</p>")
+            out.append(f"<p>{inline(' '.join(para), headings)}</p>")
             para.clear()
         if lst:
             out.append(f"</{lst}>")
             lst = ""
         if rows:
             head, *body = rows
-            out.append("<table><thead><tr>" + "".join(f"<th>{inline(c)}</th>" for c in head) + "</tr></thead><tbody>"
-                       + "".join("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in r) + "</tr>" for r in body)
+            out.append("<table><thead><tr>" + "".join(f"<th>{inline(c, headings)}</th>" for c in head)
+                       + "</tr></thead><tbody>"
+                       + "".join("<tr>" + "".join(f"<td>{inline(c, headings)}</td>" for c in r) + "</tr>" for r in body)
                        + "</tbody></table>")
             rows.clear()
 
@@ -197,16 +218,16 @@ def markdown_html(md: str) -> str:
                 rows.append(cells)
         elif m := _HEADING.match(line):
             flush()
-            out.append(f"<h4>{inline(m.group(2))}</h4>")
+            out.append(f"<h4>{inline(m.group(2), headings)}</h4>")
         elif item:
             kind = "ul" if item.group(1) else "ol"
             if para or lst != kind:
                 flush()
                 out.append(f"<{kind}>")
                 lst = kind
-            out.append(f"<li>{inline(item.group(2))}</li>")
+            out.append(f"<li>{inline(item.group(2), headings)}</li>")
         elif lst and line.startswith((" ", "\t")):
-            out[-1] = out[-1][:-5] + " " + inline(stripped) + "</li>"
+            out[-1] = out[-1][:-5] + " " + inline(stripped, headings) + "</li>"
         else:
             if lst:
                 flush()

@@ -11,7 +11,7 @@ from typing import Any
 from ..control.actions import STOP_EXIT_CODE
 from ..loader_audit import ADVICE
 from ._html import details, esc, note, num, table
-from .bundle import Bundle, compact_ranks
+from .bundle import Bundle, ranks_text
 from .incident import Incident
 from .runbook import lookup
 
@@ -36,7 +36,7 @@ def describe_source(inc: Incident) -> str:
 
 def happened(bundle: Bundle, inc: Incident) -> str:
     failed = [o for o in inc.outcomes if o[1] not in ("ok", "")]
-    badge = ('<span class="badge bad">failed on ranks ' + esc(compact_ranks([o[0] for o in failed])) + "</span>"
+    badge = ('<span class="badge bad">failed on ' + esc(ranks_text([o[0] for o in failed])) + "</span>"
              if failed else '<span class="badge ok">done on every rank</span>' if inc.outcomes else "")
     facts = [("Action", f"<strong>{esc(inc.action)}</strong> at step {esc(inc.step)} {badge}"),
              ("Run", esc(inc.run)), ("When", esc(inc.when)), ("Triggered by", describe_source(inc))]
@@ -191,9 +191,9 @@ def loader(bundle: Bundle) -> str:
         groups.setdefault(json.dumps(audit, sort_keys=True, default=str), []).append(rank)
     for text, ranks in groups.items():
         audit = json.loads(text)
-        out.append(f"<h3>Ranks {esc(compact_ranks(ranks))}</h3>" + _one_audit(audit))
+        out.append(f"<h3>{esc(ranks_text(ranks, capital=True))}</h3>" + _one_audit(audit))
     if missing:
-        out.append(note(f"This bundle carries no DataLoader audit for ranks {esc(compact_ranks(missing))} "
+        out.append(note(f"This bundle carries no DataLoader audit for {esc(ranks_text(missing))} "
                         f"(looked for <code>{AUDIT_KEYS[0]}</code> in <code>rank-NNNNN/extra.json</code> and "
                         "<code>config.json</code>). What the history measured is below.", "warn"))
     out.append("<h3>Measured wait for batches</h3>" + _measured(bundle))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .bundle import RankPart, compact_ranks
+from .bundle import RankPart, ranks_text
 from .incident import value_label
 
 if TYPE_CHECKING:
@@ -30,6 +30,8 @@ class Panel:
     values: Callable[[RankPart], list[float | None]]
     connect_samples: bool = False
     """Memory is sampled on a time budget (NaN between samples): join the samples instead of leaving gaps."""
+    memory: bool = False
+    """Plots the allocator's readings, which a ``memory_reader`` may simulate."""
 
 
 def _field(name: str, scale: float = 1.0) -> Callable[[RankPart], list[float | None]]:
@@ -50,10 +52,10 @@ PANELS = (
     Panel("learning_rate", "learning rate", "param group 0", _field("learning_rate")),
     Panel("step_seconds", "step time", "s", _field("step_seconds")),
     Panel("loader_wait_ratio", "loader wait ratio", "wait / step", _wait_ratio),
-    Panel("allocated", "allocated", "GiB", _field("allocated_bytes", GIB), connect_samples=True),
-    Panel("reserved", "reserved", "GiB", _field("reserved_bytes", GIB), connect_samples=True),
+    Panel("allocated", "allocated", "GiB", _field("allocated_bytes", GIB), connect_samples=True, memory=True),
+    Panel("reserved", "reserved", "GiB", _field("reserved_bytes", GIB), connect_samples=True, memory=True),
     Panel("fragmentation", "fragmentation", "unusable at peak / reserved", _field("fragmentation_ratio"),
-          connect_samples=True),
+          connect_samples=True, memory=True),
 )
 
 
@@ -94,9 +96,11 @@ def render_svg(ranks: list[RankPart], action_step: int | None, action: str) -> t
             everything: list[float] = []
             top = blended_transform_factory(ax.transData, ax.transAxes)
             panel_bad: dict[int, list[tuple[int, float]]] = {}
+            simulated = False
             for part, color in zip(ranks, colors, strict=True):
                 n, bad = _plot_rank(ax, panel, part, color, top)
                 counts[panel.key] += n
+                simulated |= bool(n) and panel.memory and part.simulated_memory
                 for s, v in bad:
                     panel_bad.setdefault(s, []).append((part.rank, v))
                 everything += [v for v in panel.values(part) if v is not None]
@@ -107,6 +111,9 @@ def render_svg(ranks: list[RankPart], action_step: int | None, action: str) -> t
                 ax.set_title(panel.unit, loc="right", fontsize=7, color="#666")
             if panel.key in ("loss", "grad_norm") and _log_scale_fits(everything):
                 ax.set_yscale("log")
+            if simulated:  # on the plot itself, so a copied figure still says it
+                ax.text(0.995, 0.97, "simulated: no CUDA allocator", transform=ax.transAxes, ha="right", va="top",
+                        fontsize=7.5, color="#a05a00", gid=f"simulated-{panel.key}")
             if counts[panel.key] == 0:
                 ax.text(0.5, 0.5, "no values in this bundle", transform=ax.transAxes, ha="center", va="center",
                         color="#888", gid=f"empty-{panel.key}")
@@ -169,7 +176,7 @@ def _label_nonfinite(ax: Axes, bad: dict[int, list[tuple[int, float]]], top: Tra
         kinds = sorted({value_label(v) for _, v in first})
         ranks = sorted({r for s in range(lo, hi + 1) for r, _ in bad.get(s, [])})
         where = f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
-        who = f"rank{'s' if len(ranks) > 1 else ''} {compact_ranks(ranks)}"
+        who = ranks_text(ranks)
         ax.text(lo, 0.84, f" {'/'.join(kinds)} at {where}, {who}", transform=top, color=NONFINITE_COLOR,
                 fontsize=7.5, fontweight="bold", ha="left", va="top")
 
