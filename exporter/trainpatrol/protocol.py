@@ -16,6 +16,12 @@ from .catalogue import RANK_METRICS, STEP_DURATION_BUCKETS
 from .control.actions import Action
 
 RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+DNS_LABEL = r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$"
+"""A Kubernetes namespace or container name (RFC 1123 label), or empty off Kubernetes."""
+DNS_NAME = r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?$"
+"""A Kubernetes pod or node name (RFC 1123 subdomain), or empty."""
+JOB_ID = r"^[A-Za-z0-9_.:/@+=-]{0,253}$"
+"""A launcher's job id or name: printable, no spaces or quotes."""
 RankState = Literal["running", "pausing", "paused", "stopping", "stopped", "closed"]
 _LABELS = {m.name: frozenset(m.labels) for m in RANK_METRICS if m.kind != "histogram"}
 """Each pushable rank metric's own label names (the histogram travels apart)."""
@@ -98,6 +104,14 @@ class RankSnapshot(BaseModel):
     instance: str = Field(default="", max_length=64)
     """Random per Patrol object: a new Patrol in the same process is a new sequence of pushes."""
     gpu_uuid: str = Field(default="", max_length=128)
+    namespace: str = Field(default="", pattern=DNS_LABEL)
+    """The workload's identity on Kubernetes (probe.workload): on every series of the rank."""
+    pod: str = Field(default="", pattern=DNS_NAME)
+    container: str = Field(default="", pattern=DNS_LABEL)
+    node: str = Field(default="", pattern=DNS_NAME)
+    launcher: str = Field(default="", pattern=r"^[a-z0-9-]{0,32}$")
+    """What started the job (``slurm``, ``torchrun``, ``jobset``, ...) and its job id: on ``rank_info``."""
+    launcher_job: str = Field(default="", pattern=JOB_ID)
     seq: int = Field(default=0, ge=0)
     time: float = 0.0
     step: int = Field(default=0, ge=0)
