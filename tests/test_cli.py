@@ -151,7 +151,7 @@ def test_misuse_gives_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
         ("pause",): "trainpatrol pause: the following arguments are required: run (see trainpatrol pause --help)",
         ("frobnicate",): "trainpatrol: argument command: invalid choice: 'frobnicate' (choose from 'agent', "
                          "'checkpoint', 'pause', 'resume', 'stop', 'empty-cache', 'capture', 'status', 'demo', "
-                         "'report') (see trainpatrol --help)",
+                         "'report', 'export') (see trainpatrol --help)",
         ("agent", "--port", "abc"): "trainpatrol agent: argument --port: invalid int value: 'abc' "
                                     "(see trainpatrol agent --help)",
         ("demo", "--inject", "nan@x"): "trainpatrol demo: argument --inject: 'nan@x' is not FAULT@STEP with FAULT one "
