@@ -52,9 +52,9 @@ def _a(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
 P = "trainpatrol_"
 
 RANK_METRICS: tuple[Metric, ...] = (
-    _r(P + "rank_info", "info", "", "Identity of a rank: host, GPU uuid and versions. Join GPU metrics on uuid.",
+    _r(P + "rank_info", "info", "", "Identity of a rank: host, GPU uuid, versions and the job's launcher. Join GPU metrics on uuid.",
        "local_rank", "world_size", "host", "gpu_uuid", "device", "torch_version", "cuda_version",
-       "trainpatrol_version"),
+       "trainpatrol_version", "launcher", "launcher_job"),
     _r(P + "step_total", "counter", "", "Optimizer steps completed."),
     _r(P + "micro_step_total", "counter", "", "Micro-steps (backward passes) completed, gradient accumulation included."),
     _r(P + "step_duration_seconds", "histogram", "seconds", "Wall time of one optimizer step, boundary to boundary."),

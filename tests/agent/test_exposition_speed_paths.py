@@ -24,7 +24,7 @@ from trainpatrol.nvml_fake import FakeNvml
 from trainpatrol.protocol import RankSnapshot
 
 INFO = {"local_rank": "0", "world_size": "4", "host": 'node "7" \\ \n', "gpu_uuid": "GPU-x", "device": "cuda:0",
-        "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0"}
+        "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0", "launcher": "", "launcher_job": ""}
 UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0
 
 

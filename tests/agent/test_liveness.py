@@ -155,7 +155,8 @@ def test_fast_exposition_is_byte_identical_to_generate_latest() -> None:
             {"name": "trainpatrol_grad_norm", "labels": {}, "value": float("inf")},
             {"name": "trainpatrol_rank_info", "labels": {
                 "local_rank": "0", "world_size": "2", "host": odd, "gpu_uuid": "GPU-x", "device": "cuda:0",
-                "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0"}, "value": 1.0}],
+                "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0",
+                    "launcher": "", "launcher_job": ""}, "value": 1.0}],
             histogram={"counts": [float(i) for i in range(len(_bounds()) + 1)], "sum": 2.5}))
     first = exposition(registry)
     assert first == generate_latest(registry)
@@ -287,9 +288,11 @@ def test_a_table_of_ranks_writes_what_generate_latest_writes() -> None:
             {"name": "trainpatrol_step_total", "labels": {}, "value": total},
             {"name": "trainpatrol_rank_info", "labels": {"local_rank": "0", "world_size": "2", "host": "h%d",
                                                          "gpu_uuid": "u", "device": "cpu", "torch_version": "2",
-                                                         "cuda_version": "", "trainpatrol_version": "0"},
+                                                         "cuda_version": "", "trainpatrol_version": "0",
+                                                             "launcher": "", "launcher_job": ""},
              "value": 7.0}],
-            histogram={"counts": counts, "sum": hsum})
+            histogram={"counts": counts, "sum": hsum},  # rank 1 runs in a pod: its workload labels sort in
+            **({"namespace": "team-a", "pod": "w-1", "container": "trainer", "node": "gpu-12"} if rank else {}))
 
     snaps = [ranked(0, 1.5, -0.0, "l%s", 7.0, 0.5), ranked(1, float("nan"), 0.0, "grad", 1e6, 2e6)]
     table = Table([Layout.of(s) for s in snaps])
@@ -303,9 +306,13 @@ def test_a_table_of_ranks_writes_what_generate_latest_writes() -> None:
             j, table.samples(j, flat))
         assert written == expected, name
     text = table.text(FAMILIES.index("trainpatrol_loss"), table.samples(FAMILIES.index("trainpatrol_loss"), flat))
-    assert text == 'trainpatrol_loss{rank="0",run="r1"} 1.5\ntrainpatrol_loss{rank="1",run="r1"} NaN\n'
+    assert text == ('trainpatrol_loss{rank="0",run="r1"} 1.5\n'
+                    'trainpatrol_loss{container="trainer",namespace="team-a",node="gpu-12",pod="w-1",rank="1",'
+                    'run="r1"} NaN\n')
     step = FAMILIES.index("trainpatrol_step_total")
-    assert table.text(step, table.samples(step, flat)).endswith('trainpatrol_step_total{rank="1",run="r1"} 1e+06\n')
+    assert table.text(step, table.samples(step, flat)).endswith(
+        'trainpatrol_step_total{container="trainer",namespace="team-a",node="gpu-12",pod="w-1",rank="1",'
+        'run="r1"} 1e+06\n')
     kind = FAMILIES.index("trainpatrol_nonfinite_steps_total")
     assert table.text(kind, table.samples(kind, flat)).startswith(
         'trainpatrol_nonfinite_steps_total{kind="l%s",rank="0",run="r1"} 3.0\n')

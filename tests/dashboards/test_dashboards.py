@@ -293,7 +293,7 @@ class GpuRank:
 
     def _loop(self) -> None:
         info = {"local_rank": "0", "world_size": "1", "host": "gpu-host", "gpu_uuid": self.uuid, "device": "cuda:0",
-                "torch_version": "", "cuda_version": "", "trainpatrol_version": ""}
+                "torch_version": "", "cuda_version": "", "trainpatrol_version": "", "launcher": "", "launcher_job": ""}
         seq = 0
         while not self.stop.is_set():
             seq += 1

@@ -34,8 +34,8 @@ from ..protocol import Sample as PushedSample
 
 BOUNDS = [str(b) for b in STEP_DURATION_BUCKETS] + ["+Inf"]
 _HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
-_ORDER = {m.name: sorted(m.all_labels) for m in RANK_METRICS}
-"""Label names of each rank metric in exposition order (prometheus_client sorts them)."""
+WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
+"""The training process's own Kubernetes identity, on every series of its rank when it has one."""
 _MAX = sys.float_info.max
 FAMILIES = [m.name for m in RANK_METRICS]
 """Every rank metric family, in catalogue order: the order of ``Table`` families."""
@@ -43,12 +43,26 @@ _POSITION = {name: i for i, name in enumerate(FAMILIES)}
 HISTOGRAM_AT = _POSITION[_HISTOGRAM]
 _INFO = {m.name for m in RANK_METRICS if m.kind == "info"}
 _NAME, _LABELS, _VALUE = attrgetter("name"), attrgetter("labels"), attrgetter("value")
-assert sorted([*RANK_BY_NAME[_HISTOGRAM].all_labels, "le"]) == ["le", "rank", "run"]  # bucket lines below
+
+
+def base_labels(snap: RankSnapshot) -> dict[str, str]:
+    """The labels every series of a rank carries, escaped: run, rank and the workload's identity."""
+    base = {"run": escape(snap.run), "rank": str(snap.rank)}
+    for key in WORKLOAD_LABELS:
+        value = getattr(snap, key)
+        if value:
+            base[key] = escape(value)
+    return base
+
+
+def _block(values: dict[str, str]) -> str:
+    """A label block in exposition order (prometheus_client sorts label names)."""
+    return ",".join([f'{k}="{values[k]}"' for k in sorted(values)])
 
 
 def plain_labels(snap: RankSnapshot) -> str:
     """The label block of a rank's metrics that have no labels of their own."""
-    return f'rank="{snap.rank}",run="{escape(snap.run)}"'
+    return _block(base_labels(snap))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,8 +86,8 @@ class Layout:
 
     @classmethod
     def of(cls, snap: RankSnapshot) -> Layout:
-        plain = plain_labels(snap)
-        base = {"run": escape(snap.run), "rank": str(snap.rank)}
+        base = base_labels(snap)
+        plain = _block(base)
         names, labels = tuple(map(_NAME, snap.samples)), tuple(map(_LABELS, snap.samples))
         heads = tuple(map(_head, names, labels, [base] * len(names), [plain] * len(names)))
         grouped: list[list[int]] = [[] for _ in FAMILIES]
@@ -81,7 +95,7 @@ class Layout:
             grouped[_POSITION[name]].append(i)
         members = tuple(map(tuple, grouped))
         templates, text_templates = (_templates(heads, names, members, value) for value in ("%r", "%s"))
-        histogram_heads = (*(f'{_HISTOGRAM}_bucket{{le="{le}",{plain}}} ' for le in BOUNDS),
+        histogram_heads = (*(f'{_HISTOGRAM}_bucket{{{_block(base | {"le": le})}}} ' for le in BOUNDS),
                            f"{_HISTOGRAM}_count{{{plain}}} ", f"{_HISTOGRAM}_sum{{{plain}}} ")
         return cls(plain, names, labels, members, templates, text_templates,
                    "".join([_percent(head) + "%r\n" for head in histogram_heads]), histogram_heads)
@@ -168,11 +182,7 @@ def _getter(where: list[int]) -> Callable[[list[PushedSample]], tuple[PushedSamp
 
 
 def _head(name: str, labels: dict[str, str], base: dict[str, str], plain: str) -> str:
-    if labels:
-        values = base | {k: escape(v) for k, v in labels.items()}
-        block = ",".join([f'{k}="{values[k]}"' for k in _ORDER[name]])
-    else:
-        block = plain
+    block = _block(base | {k: escape(v) for k, v in labels.items()}) if labels else plain
     return f"{name}{{{block}}} "
 
 
@@ -185,9 +195,10 @@ def _histogram_lines(heads: tuple[str, ...], h: Histogram) -> str:
     return "".join([f"{head}{text}\n" for head, text in zip(heads, texts, strict=True)])
 
 
-def family(m: CatalogueMetric) -> Metric:
-    """An empty prometheus_client family for a rank metric, labelled run, rank and its own labels."""
-    labels = list(m.all_labels)
+def family(m: CatalogueMetric, workload: tuple[str, ...] = ()) -> Metric:
+    """An empty prometheus_client family for a rank metric, labelled run, rank, the ``workload`` labels a
+    rank has, and its own labels."""
+    labels = [*m.all_labels[: len(m.all_labels) - len(m.labels)], *workload, *m.labels]
     if m.kind == "counter":
         return CounterMetricFamily(m.name, m.help, labels=labels)
     if m.kind == "histogram":
@@ -200,8 +211,9 @@ def family(m: CatalogueMetric) -> Metric:
 
 def family_samples(snap: RankSnapshot) -> dict[str, list[Sample]]:
     """The same snapshot as prometheus_client samples, per catalogue metric name (the slow path)."""
-    families = {m.name: family(m) for m in RANK_METRICS}
-    base = [snap.run, str(snap.rank)]
+    workload = tuple(k for k in WORKLOAD_LABELS if getattr(snap, k))
+    families = {m.name: family(m, workload) for m in RANK_METRICS}
+    base = [snap.run, str(snap.rank), *(getattr(snap, k) for k in workload)]
     for s in snap.samples:
         f = families[s.name]
         if isinstance(f, InfoMetricFamily):

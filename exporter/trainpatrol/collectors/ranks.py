@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter, is_
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.samples import Sample
 
 from ..agent.exposition import RenderedFamily, SamplesFn, go_floats
@@ -21,7 +21,7 @@ from ..agent.store import RankEntry, RankStore
 from ..catalogue import AGENT_METRICS, RANK_METRICS
 from ..protocol import Histogram, RankSnapshot
 from ..protocol import Sample as PushedSample
-from .rank_lines import HISTOGRAM_AT, Layout, Table, family, family_samples
+from .rank_lines import HISTOGRAM_AT, WORKLOAD_LABELS, Layout, Table, family, family_samples
 
 _LIVENESS = [(m.name, m.help) for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_")]
 assert [name for name, _ in _LIVENESS] == ["trainpatrol_rank_up", "trainpatrol_rank_last_push_timestamp_seconds",
@@ -161,12 +161,15 @@ def _same_text(last: _Scrape | None, j: int, lines: bytes) -> RenderedFamily | N
 def _liveness_samples(i: int, entries: tuple[RankEntry, ...], up: list[bool]) -> SamplesFn:
     """The samples of the ``i``-th liveness family, built only when someone asks."""
     def build() -> list[Sample]:
-        name, help_ = _LIVENESS[i]
-        f = GaugeMetricFamily(name, help_, labels=["run", "rank"])
+        name = _LIVENESS[i][0]
+        out = []
         for e, u in zip(entries, up, strict=True):
             values = (1.0 if u else 0.0, e.last_push, e.last_step_advance)
-            f.add_metric([e.snapshot.run, str(e.snapshot.rank)], values[i])
-        return f.samples
+            snap = e.snapshot
+            labels = {"run": snap.run, "rank": str(snap.rank),
+                      **{k: getattr(snap, k) for k in WORKLOAD_LABELS if getattr(snap, k)}}
+            out.append(Sample(name, labels, values[i]))
+        return out
     return build
 
 

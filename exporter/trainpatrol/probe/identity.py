@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import __version__
+from .workload import Workload
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,8 @@ class Identity:
     device: torch.device
     gpu_uuid: str
 
-    def info_labels(self) -> dict[str, str]:
-        return {
+    def info_labels(self, workload: Workload) -> dict[str, str]:
+        return {"launcher": workload.launcher, "launcher_job": workload.launcher_job,
             "local_rank": str(self.local_rank), "world_size": str(self.world_size), "host": self.host,
             "gpu_uuid": self.gpu_uuid, "device": str(self.device), "torch_version": torch.__version__,
             "cuda_version": torch.version.cuda or "", "trainpatrol_version": __version__,

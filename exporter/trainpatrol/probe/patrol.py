@@ -47,6 +47,7 @@ from .publisher import Publisher
 from .readback import Readback
 from .update_hooks import UpdateHooks
 from .window import History, StepRecord
+from .workload import detect as detect_workload
 
 log = logging.getLogger("trainpatrol")
 T = TypeVar("T")
@@ -81,6 +82,7 @@ class Patrol:
             device = first.device if first is not None else None
         self.identity = detect(torch.device(device) if device is not None else None)
         self.device = self.identity.device
+        self.workload = detect_workload()
         self._params = list(model.parameters()) if model is not None else []
         self.history = History(cfg.window)
         self.totals = Totals()
@@ -522,9 +524,10 @@ class Patrol:
         return {
             "run": self.config.run, "rank": ident.rank, "instance": self._instance, "local_rank": ident.local_rank,
             "world_size": ident.world_size, "host": ident.host, "pid": os.getpid(), "gpu_uuid": ident.gpu_uuid,
+            **self.workload.fields(),
             "seq": self._seq, "time": time.time(), "step": self.totals.steps, "state": self.state,
             "samples": samples(self.totals, self.latest, self.history, self.guards.trips, self.guards.active,
-                               self.state, ident.info_labels(), self._audit, self.publisher.dropped),
+                               self.state, ident.info_labels(self.workload), self._audit, self.publisher.dropped),
             "histogram": {"counts": _cumulative(self.totals.step_hist), "sum": self.totals.step_sum},
             "actions": [a.model_dump() for a in self.actions],
             "done_commands": list(self._done),
