@@ -34,7 +34,7 @@ system-deps:
 
 demo: $(STAMP)
 	rm -rf demo-output
-	$(PY) -m trainpatrol demo --steps 400 --inject nan@150 --agent-url http://127.0.0.1:9400
+	$(PY) -m trainpatrol demo --steps 400 --inject nan@150 --agent-url http://127.0.0.1:9402
 
 demo-stack: $(STAMP) system-deps
 	rm -rf demo-output

@@ -6,7 +6,7 @@ else, on the agent's own server class and settings (uvloop, httptools, agent/qui
 the agent costs above it is the agent's own work; the rest is the HTTP server and the machine's
 wake-ups, which change from hour to hour on a VM.
 
-    python bench/bare_agent.py --port 9400 --body-bytes 496890
+    python bench/bare_agent.py --port 9402 --body-bytes 496890
 """
 
 from __future__ import annotations

@@ -18,25 +18,25 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .agent.config import EMBEDDED_IDLE_SECONDS
+from .agent.config import DEFAULT_PORT, DEFAULT_URL, EMBEDDED_IDLE_SECONDS
 from .control.actions import ACTIONS
 from .shipped import KINDS, export
 
-DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400")
+DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", DEFAULT_URL)
 FAULTS = ("nan", "grad_spike", "fragmentation", "loader_stall", "none")
 DESCRIPTION = """Watches PyTorch training runs, exports their health to Prometheus, and pauses, checkpoints
 or stops a sick run. Training processes use Patrol (from trainpatrol import Patrol); this command
 runs the agent they push to, operates runs through it, and renders evidence reports."""
 EXAMPLES = """examples:
   trainpatrol demo                       train a small model, inject a NaN, watch it pause and resume
-  trainpatrol agent --port 9400          serve /metrics, the control API and the Alertmanager webhook
+  trainpatrol agent --port 9402          serve /metrics, the control API and the Alertmanager webhook
   trainpatrol status
   trainpatrol status my-run --json
   trainpatrol pause my-run --reason "loss looks off"
   trainpatrol resume my-run
   trainpatrol report trainpatrol/evidence/20250101T000000Z-step00000150-pause
 
-The agent URL comes from --agent or TRAINPATROL_AGENT_URL (default http://127.0.0.1:9400); a token from
+The agent URL comes from --agent or TRAINPATROL_AGENT_URL (default http://127.0.0.1:9402); a token from
 --token-file, TRAINPATROL_TOKEN_FILE or TRAINPATROL_TOKEN. `trainpatrol COMMAND --help` describes each."""
 
 
@@ -81,7 +81,7 @@ def _version() -> str:
 def _agent_parser(sub: Any) -> None:
     p = sub.add_parser("agent", help="run the agent (scrape target, control API, webhook receiver)")
     p.add_argument("--host", help="bind address (default 127.0.0.1; non-loopback needs a token)")
-    p.add_argument("--port", type=int, help="port (default 9400)")
+    p.add_argument("--port", type=int, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--mode", choices=["agent", "router"])
     p.add_argument("--token-file", help="file holding the bearer token (or TRAINPATROL_TOKEN)")
     p.add_argument("--allowed-actions", help="comma-separated actions webhooks and the API may request")
@@ -125,7 +125,7 @@ def _demo_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a small model with Patrol, inject a fault, pause and resume")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--run", default="demo")
-    p.add_argument("--agent-url", default="http://127.0.0.1:9400",
+    p.add_argument("--agent-url", default=DEFAULT_URL,
                    help="the agent (started if none answers); with --stack the demo starts its own agent, with a "
                         "token, on this port or a free one")
     p.add_argument("--inject", type=_fault, help=f"FAULT@STEP, FAULT one of {', '.join(FAULTS)} "

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from .agent.config import DEFAULT_PORT
 from .cli import FAULTS
 from .probe.memory import MemoryReading
 from .report import REPORT_NAME
@@ -221,7 +222,7 @@ def _run_with_stack(args: argparse.Namespace) -> int:
               "Falling back to the local guards: Patrol acts by itself, without Prometheus or Alertmanager.",
               flush=True)
         return _train(args, inject, args.agent_url, guard_actions=FALLBACK_GUARD_ACTIONS)
-    port = urllib.parse.urlparse(args.agent_url).port or 9400
+    port = urllib.parse.urlparse(args.agent_url).port or DEFAULT_PORT
     config = StackConfig(workdir=Path(args.workdir), agent_port=port, prometheus_port=args.prometheus_port,
                          alertmanager_port=args.alertmanager_port)
     stack = Stack(config, binaries)

@@ -30,10 +30,11 @@ from typing import Any
 
 from . import shipped
 from ._process import terminate
+from .agent.config import DEFAULT_PORT
 
 PROMETHEUS_PORT = 9090
 ALERTMANAGER_PORT = 9093
-AGENT_PORT = 9400
+AGENT_PORT = DEFAULT_PORT
 WEBHOOK_PATH = "/v1/alertmanager"
 
 

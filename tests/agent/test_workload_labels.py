@@ -13,7 +13,7 @@ from servers import agent_in_thread, http_get
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 
-POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "POD_NAMESPACE": "team-a", "POD_NAME": "llm-worker-1",
+POD = {"TRAINPATROL_KUBERNETES": "1", "POD_NAMESPACE": "team-a", "POD_NAME": "llm-worker-1",
        "CONTAINER_NAME": "trainer", "NODE_NAME": "gpu-node-12", "JOBSET_NAME": "llm-7b"}
 WORKLOAD = {"namespace": "team-a", "pod": "llm-worker-1", "container": "trainer", "node": "gpu-node-12"}
 
@@ -36,6 +36,7 @@ def test_every_series_of_a_rank_in_a_pod_carries_its_namespace_pod_container_and
         in_pod = scripted_patrol(tmp_path / "a", f"http://127.0.0.1:{port}", run="shared-name")
         for key in POD:
             monkeypatch.delenv(key)
+        monkeypatch.setenv("TRAINPATROL_KUBERNETES", "0")
         on_host = scripted_patrol(tmp_path / "b", f"http://127.0.0.1:{port}", run="other-run")
         try:
             for patrol in (in_pod, on_host):

@@ -196,7 +196,7 @@ def test_alertmanager_example_routes_actions_to_the_agent_webhook() -> None:
     assert route["group_by"] == ["alertname", "run"]
     receivers = {r["name"]: r for r in cfg["receivers"]}
     (hook,) = receivers["trainpatrol-agent"]["webhook_configs"]
-    assert hook["url"].endswith(":9400/v1/alertmanager")
+    assert hook["url"].endswith(":9402/v1/alertmanager")
     assert hook["send_resolved"] is True
     auth = hook["http_config"]["authorization"]
     assert auth["type"] == "Bearer" and auth["credentials_file"]

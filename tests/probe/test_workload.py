@@ -43,7 +43,8 @@ def test_trainpatrol_variables_win_over_the_pod_environment(tmp_path: Path) -> N
                                             ("NODE_NAME", "node/1"), ("SLURM_JOB_ID", 'x"y')])
 def test_a_value_that_is_no_valid_name_is_left_out_with_a_warning(key: str, value: str, tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    env = {"POD_NAMESPACE": "team-a", "POD_NAME": "p", "NODE_NAME": "n", "SLURM_JOB_ID": "7", key: value}
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "POD_NAMESPACE": "team-a", "POD_NAME": "p", "NODE_NAME": "n",
+           "SLURM_JOB_ID": "7", key: value}
     with caplog.at_level(logging.WARNING, logger="trainpatrol"):
         got = detect(env, tmp_path / "absent").fields()
     field = {"POD_NAMESPACE": "namespace", "POD_NAME": "pod", "NODE_NAME": "node", "SLURM_JOB_ID": "launcher_job"}[key]
@@ -51,3 +52,13 @@ def test_a_value_that_is_no_valid_name_is_left_out_with_a_warning(key: str, valu
     assert f"workload {field}" in caplog.text
     assert {k: v for k, v in got.items() if k != field and v} == {k: v for k, v in {
         "namespace": "team-a", "pod": "p", "node": "n", "launcher": "slurm", "launcher_job": "7"}.items() if k != field}
+
+
+def test_generic_names_outside_kubernetes_are_not_taken_for_a_pod(tmp_path: Path) -> None:
+    """A CI runner or a workstation may set CONTAINER_NAME or NODE_NAME for its own purposes."""
+    env = {"CONTAINER_NAME": "ci-runner-7", "NODE_NAME": "builder", "POD_NAMESPACE": "x", "POD_NAME": "y"}
+    assert detect(env, tmp_path / "absent") == Workload()
+    assert detect({**env, "TRAINPATROL_KUBERNETES": "1"}, tmp_path / "absent") == Workload(
+        namespace="x", pod="y", container="ci-runner-7", node="builder")
+    assert detect({**POD_ENV, "TRAINPATROL_KUBERNETES": "0"}, tmp_path / "absent") == Workload(
+        launcher="jobset", launcher_job="llm-7b")

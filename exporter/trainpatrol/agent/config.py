@@ -12,7 +12,9 @@ from ..control.actions import ACTIONS
 
 Mode = Literal["agent", "router"]
 
-DEFAULT_PORT = 9400
+DEFAULT_PORT = 9402
+"""Beside dcgm-exporter, which listens on 9400."""
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 EMBEDDED_IDLE_SECONDS = 60.0
 """An embedded agent (probe.embedded) exits when no rank has pushed for this long; it outlives a pause,
 since a paused rank keeps pushing, and a run restarted within it finds the same agent."""

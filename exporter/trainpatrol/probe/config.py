@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..agent.config import DEFAULT_URL
 from ..control.actions import ACTIONS
 from .guards import GUARDS, GuardConfig
 from .memory import MemoryReader
@@ -29,7 +30,7 @@ def _env_seconds(name: str, default: float) -> float:
 @dataclass
 class PatrolConfig:
     run: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_RUN", "default"))
-    agent_url: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_AGENT_URL", "http://127.0.0.1:9400"))
+    agent_url: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_AGENT_URL", DEFAULT_URL))
     token: str = field(default_factory=_env_token)
     embedded_agent: bool = True
     """Local rank 0 starts a detached agent when none answers on a loopback URL (probe/embedded.py)."""

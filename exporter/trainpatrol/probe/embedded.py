@@ -18,7 +18,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from ..agent.config import EMBEDDED_IDLE_SECONDS
+from ..agent.config import DEFAULT_PORT, EMBEDDED_IDLE_SECONDS
 
 log = logging.getLogger("trainpatrol")
 
@@ -64,7 +64,7 @@ def start_embedded_agent(url: str, extra_args: list[str] | None = None,
     if not is_loopback_url(url):
         log.warning("trainpatrol: no agent answers at %s and it is not loopback; not starting one", url)
         return False
-    port = parsed.port or 9400
+    port = parsed.port or DEFAULT_PORT
     log_path = os.path.join(tempfile.gettempdir(), f"trainpatrol-agent-{port}.log")
     cmd = [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port),
            "--exit-when-idle", f"{idle_seconds:g}", *(extra_args or [])]

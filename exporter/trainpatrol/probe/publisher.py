@@ -28,6 +28,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
+from ..agent.config import DEFAULT_PORT
 from .push_stream import PushStream, StreamRefused
 from .snapshot_delta import DeltaEncoder
 
@@ -47,7 +48,7 @@ class Publisher:
                  interval: float = 1.0, timeout: float = 1.0, max_backoff: float = 5.0) -> None:
         parsed = urllib.parse.urlparse(agent_url)
         self._host = parsed.hostname or "127.0.0.1"
-        self._port = parsed.port or 9400
+        self._port = parsed.port or DEFAULT_PORT
         self._snapshot = snapshot
         self._on_commands = on_commands
         self._token = token

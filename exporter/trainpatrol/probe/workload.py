@@ -2,11 +2,13 @@
 launched it. The agent puts the first four on every series of the rank, so rules and Alertmanager group
 by the workload's namespace, not the agent pod's.
 
-Each value comes from the first of these that is set (``TRAINPATROL_*`` overrides everything):
+The process runs on Kubernetes when ``KUBERNETES_SERVICE_HOST`` is set (every pod has it) or the service
+account's namespace file exists; ``TRAINPATROL_KUBERNETES=0`` or ``1`` says so explicitly. Each value comes
+from the first of these that is set (``TRAINPATROL_*`` overrides everything, on Kubernetes or not; the
+generic names count only on Kubernetes, since other environments set them for their own purposes):
 
-- namespace: ``TRAINPATROL_NAMESPACE``, ``POD_NAMESPACE`` (downward API), else the service account's
-  namespace file when the process runs on Kubernetes;
-- pod: ``TRAINPATROL_POD``, ``POD_NAME``, else ``HOSTNAME`` on Kubernetes (a pod's hostname is its name);
+- namespace: ``TRAINPATROL_NAMESPACE``, ``POD_NAMESPACE`` (downward API), else the namespace file;
+- pod: ``TRAINPATROL_POD``, ``POD_NAME``, else ``HOSTNAME`` (a pod's hostname is its name);
 - container: ``TRAINPATROL_CONTAINER``, ``CONTAINER_NAME``;
 - node: ``TRAINPATROL_NODE``, ``NODE_NAME`` (downward API ``spec.nodeName``);
 - launcher and its job: ``TRAINPATROL_LAUNCHER`` with ``TRAINPATROL_LAUNCHER_JOB``, else SLURM
@@ -61,19 +63,28 @@ def _launcher(env: Mapping[str, str]) -> tuple[str, str]:
     return "", ""
 
 
+def _on_kubernetes(env: Mapping[str, str], namespace_file: Path) -> bool:
+    said = env.get("TRAINPATROL_KUBERNETES", "").strip().lower()
+    if said in ("0", "false", "no", "off"):
+        return False
+    return said in ("1", "true", "yes", "on") or bool(env.get("KUBERNETES_SERVICE_HOST")) or namespace_file.is_file()
+
+
 def detect(env: Mapping[str, str] | None = None, namespace_file: Path = SERVICE_ACCOUNT_NAMESPACE) -> Workload:
     env = os.environ if env is None else env
-    on_kubernetes = bool(env.get("KUBERNETES_SERVICE_HOST")) or namespace_file.is_file()
-    namespace = _first(env, "TRAINPATROL_NAMESPACE", "POD_NAMESPACE")
-    if not namespace and on_kubernetes:
+    pod_env = env if _on_kubernetes(env, namespace_file) else {}
+    namespace = _first(env, "TRAINPATROL_NAMESPACE") or _first(pod_env, "POD_NAMESPACE")
+    if not namespace and pod_env:
         try:
             namespace = namespace_file.read_text().strip()
         except OSError:
             namespace = ""
-    pod = _first(env, "TRAINPATROL_POD", "POD_NAME") or (_first(env, "HOSTNAME") if on_kubernetes else "")
     launcher, job = _launcher(env)
-    values = {"namespace": namespace, "pod": pod, "container": _first(env, "TRAINPATROL_CONTAINER", "CONTAINER_NAME"),
-              "node": _first(env, "TRAINPATROL_NODE", "NODE_NAME"), "launcher": launcher, "launcher_job": job}
+    values = {"namespace": namespace,
+              "pod": _first(env, "TRAINPATROL_POD") or _first(pod_env, "POD_NAME", "HOSTNAME"),
+              "container": _first(env, "TRAINPATROL_CONTAINER") or _first(pod_env, "CONTAINER_NAME"),
+              "node": _first(env, "TRAINPATROL_NODE") or _first(pod_env, "NODE_NAME"),
+              "launcher": launcher, "launcher_job": job}
     for key, value in values.items():
         if value and not re.match(_PATTERNS[key], value):
             log.warning("trainpatrol: workload %s %r is not a valid name; it is left out of the metrics", key, value)
