@@ -62,8 +62,9 @@ DESCRIPTION = "Training-health monitor for PyTorch: agent and router"
 GLIBC = (2, 36)  # bookworm's; bounds the manylinux tags a wheel may have
 HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
-# A change to any of these means a new image; the build is skipped when their digest is the recorded one.
-INPUTS = ("exporter", "pyproject.toml", "README.md", "helm/image", "helm/trainpatrol/Chart.yaml")
+# The checkout but its tests: the wheel may package any of it (rules, dashboards, runbooks). A build
+# is skipped when these files' digest is the recorded one.
+INPUTS = (".", ":(exclude)tests")
 
 
 @dataclass(frozen=True)
@@ -111,15 +112,18 @@ def clean_env(home: Path) -> dict[str, str]:
     return env
 
 
-def inputs_digest() -> str:
-    """sha256 over the names and contents of the tracked and untracked, not ignored, input files."""
+def source_files() -> list[str]:
+    """The tracked and untracked, not ignored, input files, relative to the repository."""
     names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "--", *INPUTS], cwd=ROOT,
-                           check=True, capture_output=True).stdout.split(b"\0")
+                           check=True, capture_output=True, text=True).stdout.split("\0")
+    return sorted(n for n in names if n and (ROOT / n).is_file())
+
+
+def inputs_digest() -> str:
+    """sha256 over the names and contents of the input files."""
     h = hashlib.sha256()
-    for name in sorted(n for n in names if n):
-        path = ROOT / name.decode()
-        if path.is_file():
-            h.update(name + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    for name in source_files():
+        h.update(name.encode() + b"\0" + hashlib.sha256((ROOT / name).read_bytes()).digest())
     return h.hexdigest()
 
 
@@ -130,9 +134,17 @@ def run(cmd: list[str], env: dict[str, str], **kw: object) -> str:
 
 def download_wheels(wheels: Path, env: dict[str, str]) -> None:
     """The project's wheel from this checkout, and the locked dependencies (kept between builds)."""
-    project = wheels / "project"
-    shutil.rmtree(project, ignore_errors=True)
-    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(project), str(ROOT)], env)
+    project, src = wheels / "project", OUT / "src"
+    for stale in (project, src):
+        shutil.rmtree(stale, ignore_errors=True)
+    # from a copy of the input files: setuptools reuses the checkout's build/lib, stale files and all
+    for name in source_files():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
+    try:
+        run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(project), str(src)], env)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
     tags = [a for tag in platforms(platform.machine()) for a in ("--platform", tag)]
     run([sys.executable, "-m", "pip", "download", "--quiet", "--require-hashes", "--only-binary=:all:",
          "--python-version", python_version(), "--implementation", "cp", "--abi", "cp311", "--abi", "abi3",
