@@ -127,9 +127,9 @@ def inputs_digest() -> str:
     return h.hexdigest()
 
 
-def run(cmd: list[str], env: dict[str, str], **kw: object) -> str:
+def run(cmd: list[str], env: dict[str, str]) -> str:
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE, **kw).stdout  # type: ignore[call-overload, no-any-return]
+    return subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE).stdout
 
 
 def download_wheels(wheels: Path, env: dict[str, str]) -> None:
@@ -160,7 +160,7 @@ def rootfs(tar: Path, wheels: Path, packages_list: Path, env: dict[str, str]) ->
         # the project wheel is built from this checkout, so it has no hash to lock; --no-deps keeps
         # pyproject's dependency list (torch among them) out: the lock is the whole closure
         f"{VENV}/bin/pip install --no-index --no-cache-dir --no-deps /tmp/wheels/project/*.whl",
-        f"{VENV}/bin/pip uninstall --yes pip setuptools",
+        f"{VENV}/bin/pip uninstall --yes pip setuptools",  # build tools: nothing installs at run time
         f"groupadd --gid {USER.split(':')[1]} {USER_NAME}",
         f"useradd --uid {USER.split(':')[0]} --gid {USER.split(':')[1]} --no-create-home --home-dir /tmp"
         f" --shell /usr/sbin/nologin {USER_NAME}",
