@@ -84,4 +84,4 @@ docs: $(STAMP)
 	$(PY) -m trainpatrol.catalogue > docs/metrics.md
 
 clean:
-	rm -rf $(VENV) demo-output .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) demo-output .pytest_cache .mypy_cache .ruff_cache build/image
