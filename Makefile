@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := prometheus prometheus-alertmanager chromium
 
-.PHONY: demo demo-stack test lint typecheck unit venv system-deps docs clean
+.PHONY: demo demo-stack test lint typecheck unit venv system-deps image-deps image image-lock docs clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,38 @@ system-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# The agent image's build and run tools from Debian, only when missing (root only: the build needs
+# mmdebstrap --mode=root). docker-registry, a local registry for the push test, is unpacked from its
+# .deb rather than installed, so no registry service starts on the machine.
+IMAGE_TOOLS := mmdebstrap buildah podman runc skopeo
+REGISTRY_DIR := build/image/tools
+image-deps:
+	@if [ "$$(id -u)" != 0 ]; then echo "image-deps: not root, skipping (the image tests skip too)"; exit 0; fi; \
+	missing=""; \
+	for t in $(IMAGE_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi; \
+	if [ ! -x $(REGISTRY_DIR)/usr/bin/docker-registry ]; then \
+	  mkdir -p $(REGISTRY_DIR) && cd $(REGISTRY_DIR) && \
+	  { apt-get download -qq docker-registry 2>/dev/null || { apt-get update -qq && apt-get download -qq docker-registry; }; } && \
+	  dpkg-deb -x docker-registry_*.deb . && rm docker-registry_*.deb; \
+	fi
+
+# build/image/trainpatrol-agent.oci.tar; skipped when its inputs are unchanged (helm/image/build.py).
+image: $(STAMP) image-deps
+	$(PY) helm/image/build.py
+
+# Re-resolve helm/image/requirements.lock from requirements.in, in a throwaway venv with pip-tools.
+image-lock:
+	$(PYTHON) -m venv build/image/lock-venv
+	build/image/lock-venv/bin/pip install --quiet pip-tools==7.6.2
+	cd helm/image && env -i PATH=/usr/bin:/bin HOME=/tmp PIP_CONFIG_FILE=/dev/null \
+	  $$([ -f /etc/ssl/certs/ca-certificates.crt ] && echo PIP_CERT=/etc/ssl/certs/ca-certificates.crt) \
+	  ../../build/image/lock-venv/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	  --no-emit-index-url --output-file=requirements.lock requirements.in
+
 demo: $(STAMP)
 	rm -rf demo-output
 	$(PY) -m trainpatrol demo --steps 400 --inject nan@150 --agent-url http://127.0.0.1:9402
@@ -46,11 +78,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: $(STAMP) system-deps lint typecheck
+test: $(STAMP) system-deps image-deps lint typecheck
 	$(VENV)/bin/pytest -q
 
 docs: $(STAMP)
 	$(PY) -m trainpatrol.catalogue > docs/metrics.md
 
 clean:
-	rm -rf $(VENV) demo-output .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) demo-output .pytest_cache .mypy_cache .ruff_cache build/image
