@@ -126,6 +126,9 @@ AGENT_METRICS: tuple[Metric, ...] = (
 
 NVML_METRICS: tuple[Metric, ...] = (
     _g(P + "gpu_info", "info", "", "GPU identity.", "name", "pci_bus_id", "driver_version", "serial", "mig_mode"),
+    _g(P + "gpu_mig_info", "info", "", "A MIG instance of the GPU: its own uuid (ranks on it report this as gpu_uuid), GPU and compute instance and profile.", "mig_uuid", "gpu_instance", "compute_instance", "profile"),
+    _g(P + "gpu_mig_memory_used_bytes", "gauge", "bytes", "Device memory in use on a MIG instance.", "mig_uuid"),
+    _g(P + "gpu_mig_memory_total_bytes", "gauge", "bytes", "Device memory of a MIG instance.", "mig_uuid"),
     _g(P + "gpu_utilization_ratio", "gauge", "ratio", "Fraction of the sample period a kernel was running."),
     _g(P + "gpu_memory_utilization_ratio", "gauge", "ratio", "Fraction of the sample period device memory was read or written."),
     _g(P + "gpu_memory_used_bytes", "gauge", "bytes", "Device memory in use (all processes)."),

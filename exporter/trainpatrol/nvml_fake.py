@@ -31,6 +31,26 @@ class FakeHandle:
     index: int
 
 
+@dataclass(frozen=True)
+class MigHandle:
+    """A MIG device: slot ``slot`` of GPU ``index``."""
+    index: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """What NVML reports of one MIG device; a test sets the values (no MIG-configured GPU was recorded)."""
+    gpu_instance: int
+    compute_instance: int
+    profile: str
+    total_bytes: int
+    used_bytes: int
+
+
+MAX_MIG_DEVICES = 7
+
+
 @dataclass
 class _EventSet:
     handles: set[int]
@@ -66,6 +86,7 @@ class FakeNvml:
         self._lost: set[int] = set()
         self._overrides: dict[int, dict[str, tuple[Any, str | None]]] = collections.defaultdict(dict)
         self._events: collections.deque[tuple[int, int]] = collections.deque()
+        self._mig: dict[int, list[MigInstance]] = {}
         self._readings = {k: self._entry(v) for k, v in fixture["device"].items()}
         self._device_calls = frozenset(k.split("/")[0] for k in self._readings)
         self._system = {k: self._entry(v) for k, v in fixture["system"].items()}
@@ -124,9 +145,12 @@ class FakeNvml:
                                  computeInstanceId=0xFFFFFFFF) for pid, used in processes]
         self.set_value(index, "nvmlDeviceGetComputeRunningProcesses", procs)
 
-    def enable_mig(self, index: int) -> None:
-        """MIG mode on, as an H200 parent device reports it: no utilization, no process list."""
+    def enable_mig(self, index: int, instances: Iterable[MigInstance] = ()) -> None:
+        """MIG mode on, as an H200 parent device reports it: no utilization, no process list; ``instances``
+        fill its first MIG device slots (the others answer NotFound, as empty slots do)."""
         self.set_value(index, "nvmlDeviceGetMigMode", [1, 1])
+        with self._lock:
+            self._mig[index] = list(instances)[:MAX_MIG_DEVICES]
         self.set_error(index, "nvmlDeviceGetUtilizationRates")
         self.set_error(index, "nvmlDeviceGetComputeRunningProcesses")
 
@@ -185,9 +209,53 @@ class FakeNvml:
         self._enter("nvmlDeviceGetHandleByIndex", handle)
         return handle
 
-    def nvmlDeviceGetUUID(self, handle: FakeHandle) -> str:
-        uuid = str(self._reading("nvmlDeviceGetUUID", handle))
-        return f"{uuid[:-2]}{(int(uuid[-2:], 16) + handle.index) % 256:02x}"
+    def nvmlDeviceGetUUID(self, handle: FakeHandle | MigHandle) -> str:
+        uuid = str(self._reading("nvmlDeviceGetUUID", FakeHandle(handle.index)))
+        uuid = f"{uuid[:-2]}{(int(uuid[-2:], 16) + handle.index) % 256:02x}"
+        if isinstance(handle, MigHandle):  # MIG-<uuid>, as drivers since R470 write it
+            return f"MIG-{uuid.removeprefix('GPU-')[:-4]}{handle.index:02x}{handle.slot:02x}"
+        return uuid
+
+    # -- MIG devices -----------------------------------------------------------------------------
+
+    def _instance(self, name: str, handle: MigHandle) -> MigInstance:
+        self._enter(name, FakeHandle(handle.index))
+        with self._lock:
+            return self._mig[handle.index][handle.slot]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetMaxMigDeviceCount", handle)
+        return MAX_MIG_DEVICES
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: FakeHandle, index: int) -> MigHandle:
+        self._enter("nvmlDeviceGetMigDeviceHandleByIndex", handle)
+        with self._lock:
+            if index >= len(self._mig.get(handle.index, ())):
+                raise _error("NVMLError_NotFound")
+        return MigHandle(handle.index, index)
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle: FakeHandle | MigHandle) -> int:
+        if isinstance(handle, MigHandle):
+            return 1
+        return int(self._reading("nvmlDeviceIsMigDeviceHandle", handle))
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: MigHandle) -> int:
+        return self._instance("nvmlDeviceGetGpuInstanceId", handle).gpu_instance
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: MigHandle) -> int:
+        return self._instance("nvmlDeviceGetComputeInstanceId", handle).compute_instance
+
+    def nvmlDeviceGetName(self, handle: FakeHandle | MigHandle) -> str:
+        name = str(self._reading("nvmlDeviceGetName", FakeHandle(handle.index)))
+        if isinstance(handle, MigHandle):
+            return f"{name} MIG {self._instance('nvmlDeviceGetName', handle).profile}"
+        return name
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle | MigHandle) -> Any:
+        if isinstance(handle, MigHandle):
+            mig = self._instance("nvmlDeviceGetMemoryInfo", handle)
+            return SimpleNamespace(total=mig.total_bytes, used=mig.used_bytes, free=mig.total_bytes - mig.used_bytes)
+        return self._reading("nvmlDeviceGetMemoryInfo", handle)
 
     def nvmlDeviceGetPciInfo(self, handle: FakeHandle) -> Any:
         pci = self._reading("nvmlDeviceGetPciInfo", handle)

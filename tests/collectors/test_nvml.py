@@ -21,7 +21,7 @@ from trainpatrol.catalogue import NVML_METRICS
 from trainpatrol.collectors import _nvml_sample as ns
 from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.nvml import NvmlCollector
-from trainpatrol.nvml_fake import FakeNvml
+from trainpatrol.nvml_fake import FakeNvml, MigInstance
 
 UUID0 = "GPU-eec3c3a2-b837-766e-24b3-24b131d2d7d2"  # the real H200's uuid
 T0 = 1_700_000_000.0
@@ -181,6 +181,8 @@ def test_retired_pages_counted_where_supported() -> None:
     fake, collector, reg = setup()
     fake.set_value(0, "nvmlDeviceGetRetiredPages/0", [0x1000, 0x2000])
     fake.set_value(0, "nvmlDeviceGetRetiredPages/1", [])
+    fake.enable_mig(7, [MigInstance(gpu_instance=1, compute_instance=0, profile="7g.141gb", total_bytes=150_000_000_000,
+                                    used_bytes=6_000_000_000)])
     collector.sample_once()
     assert value(reg, "gpu_retired_pages", gpu(0, cause="multiple_single_bit_ecc")) == 2.0
     assert value(reg, "gpu_retired_pages", gpu(0, cause="double_bit_ecc")) == 0.0
@@ -415,6 +417,8 @@ def full_exposition() -> bytes:
                                  pid_to_rank=lambda: {504 + i: ("demo", str(i)) for i in range(0, 8, 2)})
     fake.set_value(0, "nvmlDeviceGetRetiredPages/0", [0x1000])
     fake.set_value(0, "nvmlDeviceGetRetiredPages/1", [])
+    fake.enable_mig(7, [MigInstance(gpu_instance=1, compute_instance=0, profile="7g.141gb", total_bytes=150_000_000_000,
+                                    used_bytes=6_000_000_000)])
     collector.sample_once()
     collector._record_xid(fake.nvmlDeviceGetHandleByIndex(5), 79)
     return generate_latest(reg)

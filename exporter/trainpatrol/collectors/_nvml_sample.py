@@ -63,6 +63,37 @@ def read_identity(call: Call, handle: object, index: int) -> dict[str, str]:
     }
 
 
+MigInstance = tuple[object, Labels]
+"""A MIG device handle and its labels: mig_uuid, gpu_instance, compute_instance, profile."""
+ERROR_NOT_FOUND = 6
+
+
+def mig_instances(call: Call, parent: object, child: Callable[[object, int], object | None]) -> list[MigInstance]:
+    """The MIG instances of a MIG-enabled GPU, read once per NVML initialisation like its identity.
+    ``child(parent, i)``: the i-th MIG device handle, None for an empty slot."""
+    out: list[MigInstance] = []
+    for i in range(int(call("nvmlDeviceGetMaxMigDeviceCount", parent) or 0)):
+        handle = child(parent, i)
+        if handle is None:
+            continue
+        name = text(call("nvmlDeviceGetName", handle))
+        out.append((handle, (text(call("nvmlDeviceGetUUID", handle)), text(call("nvmlDeviceGetGpuInstanceId", handle)),
+                             text(call("nvmlDeviceGetComputeInstanceId", handle)),
+                             name.rpartition(" MIG ")[2] if " MIG " in name else "")))
+    return out
+
+
+def mig_series(call: Call, instances: Sequence[MigInstance]) -> Series:
+    """Per MIG instance: its info and its memory; its utilization is not readable (NVML: not supported)."""
+    series: Series = {"gpu_mig_info": [(labels, 1.0) for _, labels in instances]}
+    for handle, labels in instances:
+        mem = call("nvmlDeviceGetMemoryInfo", handle)
+        if mem is not None:
+            series.setdefault("gpu_mig_memory_used_bytes", []).append(((labels[0],), float(mem.used)))
+            series.setdefault("gpu_mig_memory_total_bytes", []).append(((labels[0],), float(mem.total)))
+    return series
+
+
 SLOW_CALLS = ("nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTotalEnergyConsumption",
               "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetRemappedRows")
 """Read every slow interval, with ECC, retired pages and PCIe throughput (calls with arguments, in

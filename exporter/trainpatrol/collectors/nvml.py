@@ -8,8 +8,10 @@ Emits, per GPU labelled ``gpu`` (index) and ``uuid``, all prefixed ``trainpatrol
 ``gpu_pcie_link_generation``, ``gpu_pcie_link_width``,
 ``gpu_pcie_throughput_bytes_per_second{direction}`` (opt-in), ``gpu_ecc_errors_total{type}``,
 ``gpu_retired_pages{cause}``, ``gpu_remapped_rows{state}``, ``gpu_xid_errors_total{xid}``,
-``gpu_xid_last_timestamp_seconds{xid}``, ``gpu_process_memory_bytes{run,rank}`` (opt-in) and
-``nvml_sample_timestamp_seconds``. Series a GPU does not support are left out.
+``gpu_xid_last_timestamp_seconds{xid}``, ``gpu_process_memory_bytes{run,rank}`` (opt-in),
+``nvml_sample_timestamp_seconds``, and per MIG instance of a GPU in MIG mode ``gpu_mig_info{mig_uuid,
+gpu_instance,compute_instance,profile}`` and ``gpu_mig_memory_{used,total}_bytes{mig_uuid}``. Series a GPU
+does not support are left out.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class NvmlCollector:
         self._written: ns.Written = {}
         """Each NVML family as last written, for the next sample to keep where its series are equal."""
         self._gpus: list[Gpu] | None = None  # set while NVML is initialised for the sampler
+        self._mig: dict[str, list[ns.MigInstance]] = {}
+        """The MIG instances of each GPU in MIG mode, by the GPU's uuid."""
         self._generation = 0  # bumped on every (re-)initialisation, so the event thread re-registers
         self._driver_version = ""
         self._last_raw: dict[str, dict[str, Any]] = {}  # by uuid: the last readings, slow ones included
@@ -174,6 +178,9 @@ class NvmlCollector:
                                   timestamp=self._clock(), pid_to_rank=ranks)
                     for handle, info in gpus
                 ]
+                for sample in samples:
+                    if sample["uuid"] in self._mig:
+                        sample["series"].update(ns.mig_series(self._call, self._mig[sample["uuid"]]))
                 if slow:
                     self._slow_due = started + self.slow_interval_seconds
             except Exception as exc:  # the sampler must outlive any driver or GPU fault
@@ -222,6 +229,8 @@ class NvmlCollector:
             if getattr(is_mig, "value", is_mig):  # pynvml returns a c_uint here
                 continue  # a MIG child is not a GPU of its own; its parent says mig_mode="enabled"
             gpus.append((handle, ns.read_identity(self._call, handle, index)))
+        self._mig = {info["uuid"]: ns.mig_instances(self._call, handle, self._mig_child)
+                     for handle, info in gpus if info["mig_mode"] == "enabled"}
         with self._lock:
             self._gpus = gpus
             self._generation += 1
@@ -262,6 +271,19 @@ class NvmlCollector:
             if getattr(exc, "value", None) in _LOST_CODES:
                 raise
             self._note(name, exc)
+            return None
+
+    def _mig_child(self, parent: object, index: int) -> object | None:
+        """The ``index``-th MIG device of ``parent``; None for an empty slot (NVML answers NotFound)."""
+        try:
+            handle: object = self._nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+            return handle
+        except Exception as exc:
+            code = getattr(exc, "value", None)
+            if code in _LOST_CODES:
+                raise
+            if code != ns.ERROR_NOT_FOUND:
+                self._note("nvmlDeviceGetMigDeviceHandleByIndex", exc)
             return None
 
     def _ranks(self) -> dict[int, tuple[str, str]]:
