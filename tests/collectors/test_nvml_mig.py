@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from conftest import needs_prometheus
+from markers import needs_prometheus
 from servers import agent_in_thread, http_json, prometheus, query, wait_for
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
