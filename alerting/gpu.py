@@ -117,7 +117,8 @@ def _dcgm(cfg: Config) -> tuple[Alert, ...]:
     # dcgm-exporter's XID is a gauge of the last code (0: none), not a counter or a timestamp:
     # the alert holds while the gauge holds a code, and the code is the value.
     xid = d("DCGM_FI_DEV_XID_ERRORS")
-    critical = "(\n" + "\n  or\n".join(f"  {xid} == {c}" for c in cfg.xid_critical_codes) + "\n)"
+    # One line, so the chart can swap the codes (helm/trainpatrol: prometheusRule.xidCriticalCodes).
+    critical = "(" + " or ".join(f"{xid} == {c}" for c in cfg.xid_critical_codes) + ")"
     warning = f"{xid} > 0\nunless\n{critical}"
     # Older exporters name the bitmask CLOCK_THROTTLE_REASONS, DCGM 3.3+ CLOCKS_EVENT_REASONS.
     reasons = f"({d('DCGM_FI_DEV_CLOCK_THROTTLE_REASONS')} or {d('DCGM_FI_DEV_CLOCKS_EVENT_REASONS')})"
