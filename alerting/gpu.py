@@ -26,7 +26,7 @@ AGO = "{{ $value | humanizeDuration }}"
 DCGM_UUID = "{{ $labels.UUID }}"
 DCGM_HOST = "{{ $labels.Hostname }}"
 DCGM_XID = '{{ printf "%.0f" $value }}'
-RANK_CLAUSE = "{{ if $labels.run }}, used by rank {{ $labels.rank }} of run {{ $labels.run }},{{ end }}"
+RANK_CLAUSE = "{{ if $labels.run }}, used by rank {{ $labels.rank }} of run " + RUN + ",{{ end }}"
 XID_SUMMARY = "A GPU reported an XID error."
 XID_CRITICAL_ACTION = "trainpatrol checkpoints the run while the GPU still answers."
 

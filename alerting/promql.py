@@ -47,7 +47,8 @@ RANK_HALTED = "run_rank:trainpatrol_rank_state:halted"
 """1 for each rank that is pausing, paused, stopping, stopped or closed, or down (``rank_up`` 0)."""
 
 # Annotation template pieces (Go templates, rendered by Prometheus).
-RUN = "{{ $labels.run }}"
+RUN = "{{ $labels.run }}{{ with $labels.namespace }} in namespace {{ . }}{{ end }}"
+"""A run's name, and its namespace where it has one: the same name may run in two namespaces."""
 RANK = "{{ $labels.rank }}"
 INSTANCE = "{{ $labels.instance }}"
 GPU = "{{ $labels.gpu }}"
