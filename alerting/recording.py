@@ -1,7 +1,8 @@
 """Recording rules: per-rank and per-run aggregates that alerts and dashboards share.
 
-Names follow ``level:metric:operations`` (level ``run`` = by job and run, ``run_rank`` = one series
-per rank, ``instance_uuid`` = one per GPU). Windows are fixed in every profile and named (5 m; 2 m for
+Names follow ``level:metric:operations`` (level ``run`` = by cluster, namespace, job and run,
+``run_rank`` = one series per rank, ``instance_uuid`` = one per NVML GPU, ``cluster_uuid`` = one per
+GPU UUID, the DCGM join table). Windows are fixed in every profile and named (5 m; 2 m for
 the loader ratio TrainPatrolDataLoaderBound reads), so a name never lies about its window.
 
 A ratio is defined only where its denominator is positive: each divisor is filtered with ``> 0``, so
