@@ -642,7 +642,7 @@ def _check_training_pod(template: Doc, container_name: str) -> None:
     assert e["NODE_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
     # $(NODE_IP) expands only when NODE_IP is defined earlier in the list.
     assert names.index("NODE_IP") < names.index("TRAINPATROL_AGENT_URL")
-    assert e["TRAINPATROL_AGENT_URL"] == "http://$(NODE_IP):9400"
+    assert e["TRAINPATROL_AGENT_URL"] == "http://$(NODE_IP):9402"
     assert e["TRAINPATROL_RUN"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
