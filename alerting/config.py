@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Profile = Literal["default", "fast"]
+GpuSource = Literal["nvml", "dcgm"]
+GPU_SOURCES: tuple[GpuSource, ...] = ("nvml", "dcgm")
 PROFILES: tuple[Profile, ...] = ("default", "fast")
 
 ALERT_PREFIX = "TrainPatrol"
@@ -57,6 +59,14 @@ GIB = 1024**3
 class Config:
     selector: str = 'job="trainpatrol"'
     """Label matchers added to every selector; ``job`` is also what ``up`` is read with for AgentDown."""
+    cluster_label: str = "cluster"
+    """The label that names the cluster (Prometheus ``external_labels`` usually add ``cluster``).
+    Rules aggregate by it, ``namespace`` and ``run``, so equal run names stay apart."""
+    gpu_source: GpuSource = "nvml"
+    """Where GPU series come from: the agent's NVML collector, or NVIDIA dcgm-exporter
+    (``DCGM_FI_*``, joined to ranks by GPU UUID) with the agent's NVML off."""
+    dcgm_selector: str = ""
+    """Label matchers for ``DCGM_FI_*`` series, e.g. ``'job="dcgm-exporter"'``; empty reads every one."""
     runbook_base: str = "https://github.com/trainpatrol/trainpatrol/blob/main/docs/runbooks.md"
     durations: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_FOR))
     """``for:`` of each alert, by name without the prefix."""
@@ -134,6 +144,10 @@ class Config:
     """...and never less than this, so evaluation and checkpoint pauses do not count as stalls."""
 
     # GPU health (NVML).
+    xid_critical_codes: tuple[int, ...] = (48, 62, 64, 74, 79, 95, 119, 120)
+    """XIDs after which the GPU or its memory needs attention (double-bit ECC, internal micro-controller
+    halt, ECC page retirement failures, NVLink, fallen off the bus, uncontained ECC, GSP): critical.
+    Every other code (13, 31, 43, 45: faults of the application) is a warning."""
     xid_recent_seconds: float = 300.0
     """GPUXidError stays active this long after the last XID (read from its last-seen timestamp)."""
     ecc_window: str = "10m"
@@ -154,6 +168,14 @@ class Config:
             value = getattr(self, f.name)
             if f.name.endswith(("_window", "_history", "_offset")):
                 _check_duration(f.name, value)
+        if self.gpu_source not in GPU_SOURCES:
+            raise ValueError(f"Config 'gpu_source' has value {self.gpu_source!r}. Expected 'nvml' or 'dcgm'.")
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.cluster_label):
+            raise ValueError(f"Config 'cluster_label' has value {self.cluster_label!r}. Not a Prometheus label name.")
+        if not self.xid_critical_codes or not all(isinstance(c, int) and c > 0 for c in self.xid_critical_codes):
+            raise ValueError(
+                f"Config 'xid_critical_codes' has value {self.xid_critical_codes!r}. Expected positive integers."
+            )
         if self.val_loss_diverging_action not in ("checkpoint", "stop"):
             raise ValueError(
                 f"Config 'val_loss_diverging_action' has value {self.val_loss_diverging_action!r}. "

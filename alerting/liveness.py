@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import INSTANCE, RANK, RANK_ON, RUN, Alert, Group, num, sel, unless_halted
+from .promql import INSTANCE, RANK, RUN, Alert, Group, num, rank_labels, sel, unless_halted
 
 
 def group(cfg: Config) -> Group:
+    rank_on = rank_labels(cfg)
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
@@ -21,22 +22,22 @@ def group(cfg: Config) -> Group:
     stalled = (
         "(\n"
         f"  {s('trainpatrol_rank_last_push_timestamp_seconds')}\n"
-        f"  - on ({RANK_ON})\n"
+        f"  - on ({rank_on})\n"
         f"  ({s('trainpatrol_rank_last_step_timestamp_seconds')} > 0)\n"
         ")\n"
-        f"> on ({RANK_ON})\n"
+        f"> on ({rank_on})\n"
         "clamp_min(\n"
         f"  {num(cfg.stall_factor)} * {s('trainpatrol_step_duration_seconds_sum')}\n"
-        f"  / on ({RANK_ON})\n"
+        f"  / on ({rank_on})\n"
         f"  clamp_min({s('trainpatrol_step_duration_seconds_count')}, 1),\n"
         f"  {num(cfg.stall_min_seconds)}\n"
         ")\n"
-        f"and on ({RANK_ON})\n({s('trainpatrol_rank_up')} == 1)\n"
-        + unless_halted(RANK_ON, stall_window)
+        f"and on ({rank_on})\n({s('trainpatrol_rank_up')} == 1)\n"
+        + unless_halted(rank_on, stall_window)
     )
     # A rank that closed or stopped on purpose is not down.
     finished = s("trainpatrol_rank_state", 'state=~"closed|stopped"')
-    down = f"{s('trainpatrol_rank_up')} == 0\nunless on ({RANK_ON})\n({finished} == 1)"
+    down = f"{s('trainpatrol_rank_up')} == 0\nunless on ({rank_on})\n({finished} == 1)"
     rules = (
         Alert(
             "RankStalled", stalled, "critical",

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import COUNT, INSTANCE, PERCENT, RANK, RANK_ON, RUN, Alert, Group, increased, indent, num, sel
+from .promql import COUNT, INSTANCE, PERCENT, RANK, RUN, Alert, Group, increased, indent, num, rank_labels, sel
 from .recording import PEAK_USED_RANK
 
 
 def group(cfg: Config) -> Group:
+    rank_on = rank_labels(cfg)
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
@@ -20,11 +21,11 @@ def group(cfg: Config) -> Group:
     retrying = increased(cfg, s("trainpatrol_cuda_alloc_retries_total"), cfg.alloc_retries_window)
     fragmentation = (
         f"(\n  {ratio} > {num(cfg.fragmentation_ratio)}\n"
-        f"  and on ({RANK_ON})\n"
+        f"  and on ({rank_on})\n"
         f"  {s('trainpatrol_cuda_memory_reserved_bytes')} > {num(cfg.fragmentation_min_reserved_bytes)}\n)\n"
-        f"or on ({RANK_ON})\n"
+        f"or on ({rank_on})\n"
         f"(\n  {ratio} > {num(cfg.fragmentation_retrying_ratio)}\n"
-        f"  and on ({RANK_ON})\n  (\n{indent(retrying, '    ')}\n  )\n)"
+        f"  and on ({rank_on})\n  (\n{indent(retrying, '    ')}\n  )\n)"
     )
     retries = increased(
         cfg, s("trainpatrol_cuda_alloc_retries_total"), cfg.alloc_retries_window, cfg.alloc_retries_threshold

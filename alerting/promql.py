@@ -9,13 +9,37 @@ from .config import ALERT_PREFIX, Config
 
 Severity = Literal["critical", "warning", "info"]
 
-RANK_ON = "job, instance, run, rank"
-"""Identity of a rank's series as scraped: the agent (job, instance) and the rank (run, rank)."""
-GPU_ON = "job, instance, uuid"
-RUN_ON = "job, run"
+def rank_labels(cfg: Config) -> str:
+    """Identity of a rank's series: the cluster, the workload's namespace, the agent (job, instance)
+    and the rank (run, rank). Two namespaces may run the same run name on one agent."""
+    return f"{cfg.cluster_label}, namespace, job, instance, run, rank"
+
+
+def run_labels(cfg: Config) -> str:
+    """Identity of a run: alerts and ``run:`` aggregates keep cluster and namespace apart."""
+    return f"{cfg.cluster_label}, namespace, job, run"
+
+
+def gpu_labels(cfg: Config) -> str:
+    """Identity of an NVML GPU series: no namespace, which on a GPU series is the agent pod's."""
+    return f"{cfg.cluster_label}, job, instance, uuid"
+
+
+def dcgm_gpu_labels(cfg: Config) -> str:
+    """Identity of a dcgm-exporter GPU series: another scrape job, so only cluster and UUID join."""
+    return f"{cfg.cluster_label}, UUID"
+
+
+RANK_COPIED = "namespace, pod, container, run, rank, host"
+"""Labels a GPU series takes from the rank that uses it (namespace: the workload's, not the agent's)."""
+DCGM_RANK_COPIED = "job, instance, " + RANK_COPIED
+"""In DCGM mode also job and instance: the agent that hosts the rank, whose webhook acts on it."""
 
 RANK_INFO = "instance_uuid:trainpatrol_rank_info:topk1_live"
 """One rank per GPU (a live one first), with ``uuid`` copied from ``gpu_uuid``: the join table."""
+DCGM_RANK_INFO = "cluster_uuid:trainpatrol_rank_info:topk1_newest"
+"""One rank per GPU UUID in the cluster (the one that pushed last), with ``UUID`` copied from
+``gpu_uuid``: the join table for dcgm-exporter's series."""
 
 HALTED_STATES = ("pausing", "paused", "stopping", "stopped", "closed")
 """``trainpatrol_rank_state`` values of a rank that is not training on purpose."""
@@ -23,12 +47,19 @@ RANK_HALTED = "run_rank:trainpatrol_rank_state:halted"
 """1 for each rank that is pausing, paused, stopping, stopped or closed, or down (``rank_up`` 0)."""
 
 # Annotation template pieces (Go templates, rendered by Prometheus).
-RUN = "{{ $labels.run }}"
+RUN = "{{ $labels.run }}{{ with $labels.namespace }} in namespace {{ . }}{{ end }}"
+"""A run's name, and its namespace where it has one: the same name may run in two namespaces."""
 RANK = "{{ $labels.rank }}"
 INSTANCE = "{{ $labels.instance }}"
 GPU = "{{ $labels.gpu }}"
 UUID = "{{ $labels.uuid }}"
 HOST = "{{ $labels.host }}"
+
+
+def uuid_of(cfg: Config) -> str:
+    """The GPU's UUID in an annotation: dcgm-exporter names the label ``UUID``."""
+    return "{{ $labels.UUID }}" if cfg.gpu_source == "dcgm" else UUID
+
 VALUE = "{{ $value | humanize }}"
 PERCENT = "{{ $value | humanizePercentage }}"
 COUNT = '{{ printf "%.0f" $value }}'
@@ -94,6 +125,21 @@ def sel(cfg: Config, metric: str, *matchers: str) -> str:
     return f"{metric}{{{','.join(parts)}}}" if parts else metric
 
 
+def dsel(cfg: Config, metric: str, *matchers: str) -> str:
+    """A dcgm-exporter selector: ``cfg.dcgm_selector``, not trainpatrol's ``job``."""
+    parts = [p for p in (cfg.dcgm_selector, *matchers) if p]
+    return f"{metric}{{{','.join(parts)}}}" if parts else metric
+
+
+def gpu_utilization(cfg: Config, window: str | None = None) -> str:
+    """GPU utilisation as a 0-1 ratio (its average over ``window`` if given), from either source."""
+    if cfg.gpu_source == "dcgm":  # DCGM_FI_DEV_GPU_UTIL is a percentage
+        metric = dsel(cfg, "DCGM_FI_DEV_GPU_UTIL")
+        return f"avg_over_time({metric}[{window}]) / 100" if window else f"{metric} / 100"
+    metric = sel(cfg, "trainpatrol_gpu_utilization_ratio")
+    return f"avg_over_time({metric}[{window}])" if window else metric
+
+
 def num(x: float) -> str:
     """A threshold as PromQL writes it: integers without a fraction, no exponent."""
     return str(int(x)) if float(x).is_integer() else repr(float(x))
@@ -123,16 +169,26 @@ def unless_halted(on: str, window: str) -> str:
     return f"unless on ({on})\n  max_over_time({RANK_HALTED}[{window}])"
 
 
-def on_rank(gpu_expr: str) -> str:
-    """GPU series that a rank uses, with that rank's run, rank and host added."""
+def on_rank(cfg: Config, gpu_expr: str) -> str:
+    """GPU series that a rank uses, with that rank's run, rank, host and workload identity added."""
     left = f"(\n{indent(gpu_expr)}\n)" if " " in gpu_expr else gpu_expr
-    return f"{left}\n* on ({GPU_ON}) group_left (run, rank, host)\n  {RANK_INFO}"
+    if cfg.gpu_source == "dcgm":
+        return f"{left}\n* on ({dcgm_gpu_labels(cfg)}) group_left ({DCGM_RANK_COPIED})\n  {DCGM_RANK_INFO}"
+    return f"{left}\n* on ({gpu_labels(cfg)}) group_left ({RANK_COPIED})\n  {RANK_INFO}"
 
 
-def on_rank_or_gpu(gpu_expr: str) -> str:
+def unused_gpu(cfg: Config, gpu_expr: str) -> str:
+    """GPU series that no rank uses."""
+    if cfg.gpu_source == "dcgm":
+        return f"{gpu_expr}\nunless on ({dcgm_gpu_labels(cfg)})\n{DCGM_RANK_INFO}"
+    return f"{gpu_expr}\nunless on ({gpu_labels(cfg)})\n{RANK_INFO}"
+
+
+def on_rank_or_gpu(cfg: Config, gpu_expr: str) -> str:
     """GPU series with run, rank and host where a rank uses the GPU, unchanged where none does."""
     fallback = f"(\n{indent(gpu_expr)}\n)" if "\n" in gpu_expr else gpu_expr
-    return f"(\n{indent(on_rank(gpu_expr))}\n)\nor on ({GPU_ON})\n{fallback}"
+    on = dcgm_gpu_labels(cfg) if cfg.gpu_source == "dcgm" else gpu_labels(cfg)
+    return f"(\n{indent(on_rank(cfg, gpu_expr))}\n)\nor on ({on})\n{fallback}"
 
 
 def indent(text: str, by: str = "  ") -> str:

@@ -1,7 +1,8 @@
 """Recording rules: per-rank and per-run aggregates that alerts and dashboards share.
 
-Names follow ``level:metric:operations`` (level ``run`` = by job and run, ``run_rank`` = one series
-per rank, ``instance_uuid`` = one per GPU). Windows are fixed in every profile and named (5 m; 2 m for
+Names follow ``level:metric:operations`` (level ``run`` = by cluster, namespace, job and run,
+``run_rank`` = one series per rank, ``instance_uuid`` = one per NVML GPU, ``cluster_uuid`` = one per
+GPU UUID, the DCGM join table). Windows are fixed in every profile and named (5 m; 2 m for
 the loader ratio TrainPatrolDataLoaderBound reads), so a name never lies about its window.
 
 A ratio is defined only where its denominator is positive: each divisor is filtered with ``> 0``, so
@@ -14,16 +15,18 @@ from __future__ import annotations
 
 from .config import Config
 from .promql import (
-    GPU_ON,
+    DCGM_RANK_INFO,
     HALTED_STATES,
     RANK_HALTED,
     RANK_INFO,
-    RANK_ON,
-    RUN_ON,
     Group,
     Recording,
+    gpu_labels,
+    gpu_utilization,
     indent,
     on_rank,
+    rank_labels,
+    run_labels,
     sel,
 )
 
@@ -40,27 +43,30 @@ VAL_LOSS_RUN = "run:trainpatrol_validation_loss:avg"
 
 
 def group(cfg: Config) -> Group:
+    rank_on = rank_labels(cfg)
+    run_on = run_labels(cfg)
+    gpu_on = gpu_labels(cfg)
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
     def ratio_by_rank(num: str, den: str, window: str = "5m") -> str:
-        return f"rate({s(num)}[{window}])\n/ on ({RANK_ON})\n(rate({s(den)}[{window}]) > 0)"
+        return f"rate({s(num)}[{window}])\n/ on ({rank_on})\n(rate({s(den)}[{window}]) > 0)"
 
     def ratio_by_run(num: str, den: str) -> str:
         return (
-            f"sum by ({RUN_ON}) (rate({s(num)}[5m]))\n/ on ({RUN_ON})\n"
-            f"(sum by ({RUN_ON}) (rate({s(den)}[5m])) > 0)"
+            f"sum by ({run_on}) (rate({s(num)}[5m]))\n/ on ({run_on})\n"
+            f"(sum by ({run_on}) (rate({s(den)}[5m])) > 0)"
         )
 
     def run_rate(metric: str, agg: str = "sum") -> str:
-        return f"{agg} by ({RUN_ON}) (rate({s(metric)}[5m]))"
+        return f"{agg} by ({run_on}) (rate({s(metric)}[5m]))"
 
     def run_quantile(q: float) -> str:  # interpolates within the buckets: NaN where no step completed
         return (
             f"histogram_quantile(\n  {q},\n"
-            f"  sum by ({RUN_ON}, le) (rate({s('trainpatrol_step_duration_seconds_bucket')}[5m]))\n"
-            f"  and on ({RUN_ON})\n"
-            f"  (sum by ({RUN_ON}) (rate({s('trainpatrol_step_duration_seconds_count')}[5m])) > 0)\n)"
+            f"  sum by ({run_on}, le) (rate({s('trainpatrol_step_duration_seconds_bucket')}[5m]))\n"
+            f"  and on ({run_on})\n"
+            f"  (sum by ({run_on}) (rate({s('trainpatrol_step_duration_seconds_count')}[5m])) > 0)\n)"
         )
 
     with_gpu = s("trainpatrol_rank_info", 'gpu_uuid!=""')
@@ -70,7 +76,7 @@ def group(cfg: Config) -> Group:
         # Ranks that do not train on purpose (or are gone): liveness and progress alerts skip them.
         Recording(
             RANK_HALTED,
-            f"max by ({RANK_ON}) (\n"
+            f"max by ({rank_on}) (\n"
             f"  {halted_state} == 1\n  or\n"
             f"  {s('trainpatrol_paused')} == 1\n  or\n"
             f"  1 - {s('trainpatrol_rank_up')} > 0\n)",
@@ -100,28 +106,42 @@ def group(cfg: Config) -> Group:
             STEP_MEAN_RANK,
             ratio_by_rank("trainpatrol_step_duration_seconds_sum", "trainpatrol_step_duration_seconds_count"),
         ),
-        Recording(STEP_MEDIAN_RUN, f"quantile by ({RUN_ON}) (0.5, {STEP_MEAN_RANK})"),
+        Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
         # The straggler ratio: 1 is the run's median rank; 1.5 is half as slow again.
-        Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({RUN_ON}) group_left ()\n({STEP_MEDIAN_RUN} > 0)"),
+        Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({run_on}) group_left ()\n({STEP_MEDIAN_RUN} > 0)"),
         # The join table from GPUs to ranks. topk keeps it unique per GPU, so a finished run's
         # lingering series or two ranks on one GPU cannot break a join; a live rank wins.
         Recording(
             RANK_INFO,
-            "clamp_max(\n  topk by (" + GPU_ON + ") (1,\n"
-            + indent(f"{rank_info}\n* on ({RANK_ON}) group_left ()\n(1 + {s('trainpatrol_rank_up')})", "    ")
+            "clamp_max(\n  topk by (" + gpu_on + ") (1,\n"
+            + indent(f"{rank_info}\n* on ({rank_on}) group_left ()\n(1 + {s('trainpatrol_rank_up')})", "    ")
             + "\n  ),\n  1\n)",
         ),
+        *((_dcgm_join(cfg, with_gpu, rank_on),) if cfg.gpu_source == "dcgm" else ()),
         Recording(
             "run:trainpatrol_gpu_utilization_ratio:avg",
-            f"avg by ({RUN_ON}) (\n{indent(on_rank(s('trainpatrol_gpu_utilization_ratio')))}\n)",
+            f"avg by ({run_on}) (\n{indent(on_rank(cfg, gpu_utilization(cfg)))}\n)",
         ),
         # Peak over the probe's window, so an OOM-sized spike between two scrapes still shows.
         Recording(
             PEAK_USED_RANK,
-            f"{s('trainpatrol_cuda_memory_peak_allocated_bytes')}\n/ on ({RANK_ON})\n"
+            f"{s('trainpatrol_cuda_memory_peak_allocated_bytes')}\n/ on ({rank_on})\n"
             f"({s('trainpatrol_cuda_memory_capacity_bytes')} > 0)",
         ),
-        Recording(LOSS_RUN, f"avg by ({RUN_ON}) ({s('trainpatrol_loss_window_mean')})"),
-        Recording(VAL_LOSS_RUN, f"avg by ({RUN_ON}) ({s('trainpatrol_validation_loss')})"),
+        Recording(LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_loss_window_mean')})"),
+        Recording(VAL_LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_validation_loss')})"),
     )
     return Group("trainpatrol-recording", rules)
+
+
+def _dcgm_join(cfg: Config, with_gpu: str, rank_on: str) -> Recording:
+    """The join table from dcgm-exporter's GPUs (``UUID``) to ranks: one rank per GPU, the one that
+    pushed last. A plain ``group_left`` onto ``trainpatrol_rank_info`` fails with many-to-many while
+    an older run's rank_info for the same GPU is still alive (until the agent expires it)."""
+    newest = f"{with_gpu}\n* on ({rank_on}) group_left ()\n{sel(cfg, 'trainpatrol_rank_last_push_timestamp_seconds')}"
+    return Recording(
+        DCGM_RANK_INFO,
+        "label_replace(\n  clamp_max(\n"
+        f"    topk by ({cfg.cluster_label}, gpu_uuid) (1,\n{indent(newest, '      ')}\n    ),\n    1\n  ),\n"
+        '  "UUID", "$1", "gpu_uuid", "(.+)"\n)',
+    )

@@ -8,38 +8,39 @@ from .promql import (
     INSTANCE,
     PERCENT,
     RANK,
-    RANK_ON,
     RUN,
-    RUN_ON,
-    UUID,
     VALUE,
     Alert,
     Group,
+    gpu_utilization,
     num,
     on_rank,
+    rank_labels,
+    run_labels,
     sel,
     unless_halted,
+    uuid_of,
 )
 from .recording import LOADER_WAIT_RANK_2M, STRAGGLER_RATIO
 
 
 def group(cfg: Config) -> Group:
+    rank_on = rank_labels(cfg)
+    run_on = run_labels(cfg)
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
     w = cfg.gpu_underutilized_window
     idle = (
-        on_rank(
-            f"avg_over_time({s('trainpatrol_gpu_utilization_ratio')}[{w}]) < {num(cfg.gpu_underutilized_ratio)}"
-        )
-        + f"\nand on ({RANK_ON})\n({s('trainpatrol_rank_up')} == 1)"
+        on_rank(cfg, f"{gpu_utilization(cfg, w)} < {num(cfg.gpu_underutilized_ratio)}")
+        + f"\nand on ({rank_on})\n({s('trainpatrol_rank_up')} == 1)"
         # A paused, stopping or closed run idles its GPUs on purpose.
-        + "\n" + unless_halted(RUN_ON, w)
+        + "\n" + unless_halted(run_on, w)
     )
     # Every throughput ratio judges a run that trains: none while any rank of it is paused, stopping,
     # stopped, closed or down, nor for as long as the ratio's window still holds such a time.
-    loader = f"{LOADER_WAIT_RANK_2M} > {num(cfg.loader_wait_ratio)}\n" + unless_halted(RUN_ON, "2m")
-    straggler = f"{STRAGGLER_RATIO} > {num(cfg.straggler_ratio)}\n" + unless_halted(RUN_ON, "5m")
+    loader = f"{LOADER_WAIT_RANK_2M} > {num(cfg.loader_wait_ratio)}\n" + unless_halted(run_on, "2m")
+    straggler = f"{STRAGGLER_RATIO} > {num(cfg.straggler_ratio)}\n" + unless_halted(run_on, "5m")
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
     rules = (
         Alert(
@@ -53,7 +54,7 @@ def group(cfg: Config) -> Group:
         Alert(
             "GPUUnderutilized", idle, "info",
             "A training GPU is mostly idle.",
-            f"GPU {GPU} ({UUID}) on {INSTANCE}, used by rank {RANK} of run {RUN}, ran kernels only {PERCENT} "
+            f"GPU {GPU} ({uuid_of(cfg)}) on {INSTANCE}, used by rank {RANK} of run {RUN}, ran kernels only {PERCENT} "
             f"of the time over the last {w} (threshold {num(cfg.gpu_underutilized_ratio * 100)}%).",
         ),
         Alert(

@@ -7,15 +7,15 @@ from .promql import (
     COUNT,
     INSTANCE,
     RANK,
-    RANK_ON,
     RUN,
-    RUN_ON,
     VALUE,
     Alert,
     Group,
     increased,
     indent,
     num,
+    rank_labels,
+    run_labels,
     sel,
     unless_halted,
 )
@@ -23,6 +23,8 @@ from .recording import LOSS_RUN, STEP_RATE_RUN, VAL_LOSS_RUN
 
 
 def group(cfg: Config) -> Group:
+    rank_on = rank_labels(cfg)
+    run_on = run_labels(cfg)
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
@@ -32,7 +34,7 @@ def group(cfg: Config) -> Group:
     grad_expr = nonfinite("grad")
     if cfg.nonfinite_grad_ignore_amp_skips:
         amp_skips = increased(cfg, s("trainpatrol_amp_skipped_steps_total"), cfg.nonfinite_window)
-        grad_expr = f"(\n{indent(grad_expr)}\n)\nunless on ({RANK_ON})\n(\n{indent(amp_skips)}\n)"
+        grad_expr = f"(\n{indent(grad_expr)}\n)\nunless on ({rank_on})\n(\n{indent(amp_skips)}\n)"
 
     # Like with like: the window max (the largest value of the Patrol's last N steps) is compared
     # with its own trailing median, never with single steps or window means. Early in training the
@@ -42,8 +44,8 @@ def group(cfg: Config) -> Group:
         m = s(metric)
         return (
             f"{m}\n"
-            f"> on ({RANK_ON})\n  {num(factor)} * quantile_over_time(0.5, {m}[{window}])\n"
-            f"and on ({RANK_ON})\n  count_over_time({m}[{window}]) >= {min_samples}"
+            f"> on ({rank_on})\n  {num(factor)} * quantile_over_time(0.5, {m}[{window}])\n"
+            f"and on ({rank_on})\n  count_over_time({m}[{window}]) >= {min_samples}"
         )
 
     gw = cfg.grad_norm_median_window
@@ -58,17 +60,17 @@ def group(cfg: Config) -> Group:
     lw = cfg.loss_median_window
     loss_spike_expr = (
         window_max_test("trainpatrol_loss_window_max", cfg.loss_spike_factor, lw, cfg.loss_min_samples)
-        + f"\nand on ({RANK_ON})\n  quantile_over_time(0.5, {s('trainpatrol_loss_window_max')}[{lw}]) > 0"
+        + f"\nand on ({rank_on})\n  quantile_over_time(0.5, {s('trainpatrol_loss_window_max')}[{lw}]) > 0"
     )
 
     # The step rate is a 5m rate: it stays above 0 for 5 minutes after the last step, so a run
     # that paused, stopped or closed is left out for as long.
     stagnation_expr = (
         f"min_over_time({LOSS_RUN}[{cfg.loss_stagnation_window}])\n"
-        f">= on ({RUN_ON})\n"
+        f">= on ({run_on})\n"
         f"min_over_time({LOSS_RUN}[{cfg.loss_stagnation_history}] offset {cfg.loss_stagnation_window})\n"
-        f"and on ({RUN_ON})\n{STEP_RATE_RUN} > 0\n"
-        + unless_halted(RUN_ON, "5m")
+        f"and on ({run_on})\n{STEP_RATE_RUN} > 0\n"
+        + unless_halted(run_on, "5m")
     )
 
     # Over-fitting: the validation loss is above the best this run reached (lowest within the best
@@ -79,10 +81,10 @@ def group(cfg: Config) -> Group:
     tw = cfg.train_loss_trend_window
     val_expr = (
         f"{VAL_LOSS_RUN}\n"
-        f"> on ({RUN_ON})\n"
+        f"> on ({run_on})\n"
         f"  {num(1 + cfg.val_loss_rise_ratio)} * min_over_time({VAL_LOSS_RUN}[{cfg.val_loss_best_window}])\n"
-        f"and on ({RUN_ON})\n  deriv({LOSS_RUN}[{tw}]) < 0\n"
-        + unless_halted(RUN_ON, tw)
+        f"and on ({run_on})\n  deriv({LOSS_RUN}[{tw}]) < 0\n"
+        + unless_halted(run_on, tw)
     )
 
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"

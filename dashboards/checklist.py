@@ -80,7 +80,7 @@ CHECKS: tuple[Check, ...] = (
         "GPU utilization",
         "Are the run's GPUs busy? Lowest 10-minute mean utilization over the run's GPUs.",
         "min by (run) (" + on_gpu(
-            "avg_over_time(trainpatrol_gpu_utilization_ratio{instance=~\"$node\"}[10m])") + ")",
+            "avg_over_time(trainpatrol_gpu_utilization_ratio{node=~\"$node\"}[10m])") + ")",
         "percentunit", ((None, RED), (0.5, YELLOW), (0.8, GREEN)),
         "at least 50 % (the alert fires below 50 %)",
         "Look for the bottleneck outside the GPU: loader wait ratio, host CPU, step-time stragglers; "
@@ -226,7 +226,7 @@ def checks_table() -> table.Panel:
 
 def alerts_expr() -> str:
     """Firing and pending trainpatrol alerts, each labelled with its runbook anchor for the table link."""
-    expr = 'ALERTS{alertname=~"TrainPatrol.*", run=~"$run|"}'
+    expr = 'ALERTS{alertname=~"TrainPatrol.*", cluster=~"$cluster", namespace=~"$namespace", run=~"$run|"}'
     for alert in ALERTS:
         expr = f'label_replace({expr}, "runbook", "{alert.lower()}", "alertname", "{alert}")'
     return expr
@@ -246,7 +246,7 @@ def alerts_table() -> table.Panel:
         .with_transformation(dm.DataTransformerConfig("organize", options={
             "excludeByName": {"Time": True, "Value": True, "__name__": True, "job": True},
             "indexByName": {name: i for i, name in enumerate(
-                ("alertname", "alertstate", "severity", "run", "rank", "instance", "action"))},
+                ("alertname", "alertstate", "severity", "cluster", "namespace", "run", "rank", "node", "action"))},
         }))
         .override_by_name("alertname", [dm.DynamicConfigValue("links", link)])
         .override_by_name("runbook", [dm.DynamicConfigValue("custom.hidden", True)])

@@ -29,10 +29,14 @@ TIMES = "suffix:\u00d7"  # a ratio, shown as 1.4 followed by a multiplication si
 
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
-# Label selectors. Rank metrics carry run and rank; Prometheus adds instance (the agent, one per node).
-RANK = 'run=~"$run", rank=~"$rank", instance=~"$node"'
-NODE = 'instance=~"$node"'
-NODES = 'label_values(trainpatrol_rank_info{run=~"$run", rank=~"$rank"}, instance)'
+# Label selectors. Rank metrics carry run and rank, and on Kubernetes the workload's namespace, pod,
+# container and node; Prometheus adds instance (the agent) and, as an external or target label,
+# cluster. "node" is the node's name (the `node` label), not the agent's address. An empty label
+# matches "All" (.*), so the dashboards also work off Kubernetes.
+WHERE = 'cluster=~"$cluster", namespace=~"$namespace"'
+RANK = WHERE + ', run=~"$run", rank=~"$rank", node=~"$node"'
+NODE = 'cluster=~"$cluster", node=~"$node"'
+NODES = 'label_values(trainpatrol_rank_info{' + WHERE + ', run=~"$run", rank=~"$rank"}, node)'
 
 # trainpatrol_rank_info renamed so it joins NVML series on (instance, uuid). CPU ranks have no GPU
 # uuid; they are left out, or several of them would collide on the "one" side of group_left.
@@ -134,7 +138,7 @@ def action_annotations() -> list[cogbuilder.Builder[dm.AnnotationQuery]]:
 
 
 def variables(node_query: str) -> list[cogbuilder.Builder[dm.VariableModel]]:
-    """datasource, run, rank and node (the agent's instance), in that order."""
+    """datasource, cluster, namespace, run, rank and node (the node's name), in that order."""
 
     def query_var(name: str, label: str, query: str) -> db.QueryVariable:
         return (
@@ -152,8 +156,10 @@ def variables(node_query: str) -> list[cogbuilder.Builder[dm.VariableModel]]:
 
     return [
         db.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        query_var("run", "Run", "label_values(trainpatrol_rank_info, run)"),
-        query_var("rank", "Rank", 'label_values(trainpatrol_rank_info{run=~"$run"}, rank)'),
+        query_var("cluster", "Cluster", "label_values(trainpatrol_rank_info, cluster)"),
+        query_var("namespace", "Namespace", 'label_values(trainpatrol_rank_info{cluster=~"$cluster"}, namespace)'),
+        query_var("run", "Run", "label_values(trainpatrol_rank_info{" + WHERE + "}, run)"),
+        query_var("rank", "Rank", "label_values(trainpatrol_rank_info{" + WHERE + ', run=~"$run"}, rank)'),
         query_var("node", "Node", node_query),
     ]
 

@@ -27,9 +27,9 @@ TITLE = "trainpatrol / GPU node"
 ABOUT = ("NVML readings per GPU of the selected nodes, joined through the GPU uuid to the runs and ranks "
          "that use them. Picking a run or rank narrows the panels to its GPUs plus the GPUs no rank uses.")
 
-LEGEND = "{{instance}} GPU {{gpu}} (run {{run}} rank {{rank}})"
+LEGEND = "{{node}} GPU {{gpu}} (run {{run}} rank {{rank}})"
 RI = "$__rate_interval"
-GPU = ("instance", "gpu", "uuid")
+GPU = ("node", "instance", "gpu", "uuid")  # node: shown; instance and uuid: the join to ranks
 ENERGY = "trainpatrol_gpu_energy_joules_total"
 
 
@@ -57,8 +57,8 @@ def inventory() -> table.Panel:
         .datasource(DS)
         .targets([target(Q(expr), instant=True, table=True)])
         .with_transformation(dm.DataTransformerConfig("organize", options={
-            "excludeByName": {"Time": True, "Value": True, "__name__": True, "job": True},
-            "indexByName": {"instance": 0, "gpu": 1, "run": 2, "rank": 3, "name": 4, "uuid": 5},
+            "excludeByName": {"Time": True, "Value": True, "__name__": True, "job": True, "instance": True},
+            "indexByName": {"node": 0, "gpu": 1, "run": 2, "rank": 3, "name": 4, "uuid": 5},
         }))
         .cell_height(cm.TableCellHeight.SM)
         .span(24)
@@ -83,7 +83,7 @@ def energy() -> bargauge.Panel:
 
 
 def build() -> dm.Dashboard:
-    d = dashboard(TITLE, UID, ABOUT, "label_values(trainpatrol_gpu_info, instance)")
+    d = dashboard(TITLE, UID, ABOUT, 'label_values(trainpatrol_gpu_info{cluster=~"$cluster"}, node)')
     d = d.tooltip(dm.DashboardCursorSync.CROSSHAIR).time("now-3h", "now")
     d = d.with_row(row("Inventory")).with_panel(inventory())
 
@@ -152,7 +152,7 @@ def build() -> dm.Dashboard:
     d = d.with_panel(state_timeline(
         "Throttle reasons",
         "Which clock-event (throttle) reasons were active on each GPU, and when?",
-        Q(_gauge("trainpatrol_gpu_clock_event_active", "reason"), "{{instance}} GPU {{gpu}} {{reason}}"),
+        Q(_gauge("trainpatrol_gpu_clock_event_active", "reason"), "{{node}} GPU {{gpu}} {{reason}}"),
         mappings=[value_map({"0": ("inactive", "transparent"), "1": ("active", "orange")})],
         thresholds=steps((None, "transparent"), (1, "orange")), w=24, h=10,
     ))

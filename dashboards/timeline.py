@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.models import dashboard as dm
 
-from dashboards.common import NODES, RANK, TIMES, Q, dashboard, finish, row, state_timeline, steps, ts, value_map
+from dashboards.common import NODES, RANK, TIMES, WHERE, Q, dashboard, finish, row, state_timeline, steps, ts, value_map
 
 UID = "trainpatrol-run-timeline"
 TITLE = "trainpatrol / Run timeline"
@@ -18,7 +18,7 @@ RI = "$__rate_interval"
 # variable does not narrow it) is the straggler baseline.
 STEP_MEAN = (f"sum by (run, rank) (rate(trainpatrol_step_duration_seconds_sum{{{RANK}}}[{RI}])) "
              f"/ sum by (run, rank) (rate(trainpatrol_step_duration_seconds_count{{{RANK}}}[{RI}]))")
-RUN = 'run=~"$run", instance=~"$node"'
+RUN = WHERE + ', run=~"$run", node=~"$node"'
 STEP_MEDIAN = ("quantile by (run) (0.5, "
                f"sum by (run, rank) (rate(trainpatrol_step_duration_seconds_sum{{{RUN}}}[{RI}])) "
                f"/ sum by (run, rank) (rate(trainpatrol_step_duration_seconds_count{{{RUN}}}[{RI}])))")

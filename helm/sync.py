@@ -1,6 +1,6 @@
 """Copy the shipped rules and dashboards into the Helm chart, which can only read its own files.
 
-    python helm/sync.py           # copy alerting/rules.yml and dashboards/*.json into the chart
+    python helm/sync.py           # copy alerting/rules*.yml and dashboards/*.json into the chart
     python helm/sync.py --check   # exit 1, naming the files, when the chart's copies differ
 
 The chart embeds the copies as they are (PrometheusRule spec, dashboard ConfigMaps), so the
@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "trainpatrol"
 RULES_SOURCE = ROOT / "alerting" / "rules.yml"
 RULES_COPY = CHART / "files" / "rules.yml"
+DCGM_RULES_SOURCE = ROOT / "alerting" / "rules-dcgm.yml"
+DCGM_RULES_COPY = CHART / "files" / "rules-dcgm.yml"
 DASHBOARDS_SOURCE = ROOT / "dashboards"
 DASHBOARDS_COPY = CHART / "files" / "dashboards"
 
@@ -25,7 +27,9 @@ def wanted() -> dict[Path, bytes]:
     """Every file the chart must hold, with its content."""
     if not RULES_SOURCE.is_file():
         raise FileNotFoundError(f"Rules source {RULES_SOURCE} is missing: run alerting/generate.py first.")
-    files = {RULES_COPY: RULES_SOURCE.read_bytes()}
+    if not DCGM_RULES_SOURCE.is_file():
+        raise FileNotFoundError(f"Rules source {DCGM_RULES_SOURCE} is missing: run alerting/generate.py first.")
+    files = {RULES_COPY: RULES_SOURCE.read_bytes(), DCGM_RULES_COPY: DCGM_RULES_SOURCE.read_bytes()}
     dashboards = sorted(DASHBOARDS_SOURCE.glob("*.json"))
     if not dashboards:
         raise FileNotFoundError(f"No dashboards in {DASHBOARDS_SOURCE}: run dashboards/generate.py first.")

@@ -22,8 +22,9 @@ from servers import REPO, free_port, http_get, serving
 
 TORCH = "torch==2.13.0"  # the CPU wheel the Makefile pins; an unpinned torch would pull a CUDA build
 EXPORTED = {
-    "rules": ["alerting/rules.yml", "alerting/rules-fast.yml"],
-    "dashboards": ["dashboards/gpu-node.json", "dashboards/run-timeline.json", "dashboards/training-checklist.json"],
+    "rules": ["alerting/rules.yml", "alerting/rules-dcgm.yml", "alerting/rules-fast.yml"],
+    "dashboards": ["dashboards/gpu-node-dcgm.json", "dashboards/gpu-node.json", "dashboards/run-timeline.json",
+                   "dashboards/training-checklist.json"],
     "alertmanager": ["alerting/alertmanager.yml"],
     "runbooks": ["docs/runbooks.md"],
     "values": ["docs/kubernetes.md"],

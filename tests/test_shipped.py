@@ -12,7 +12,7 @@ from trainpatrol.cli import main
 
 DATA = REPO / "exporter" / "trainpatrol" / "data"
 SOURCES = {
-    "rules": ["alerting/rules.yml", "alerting/rules-fast.yml"],
+    "rules": ["alerting/rules.yml", "alerting/rules-dcgm.yml", "alerting/rules-fast.yml"],
     "dashboards": sorted(f"dashboards/{p.name}" for p in (REPO / "dashboards").glob("*.json")),
     "alertmanager": ["alerting/alertmanager.yml"],
     "runbooks": ["docs/runbooks.md"],

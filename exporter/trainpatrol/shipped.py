@@ -14,14 +14,15 @@ from typing import Literal
 
 Kind = Literal["rules", "dashboards", "alertmanager", "runbooks", "values"]
 KINDS: dict[Kind, str] = {
-    "rules": "rules.yml: the alerting and recording rules for Prometheus (and rules-fast.yml, the demo's profile)",
+    "rules": "rules.yml: the alerting and recording rules for Prometheus (rules-dcgm.yml reads GPUs from "
+             "dcgm-exporter; rules-fast.yml is the demo's profile)",
     "dashboards": "the Grafana dashboards (JSON)",
     "alertmanager": "alertmanager.yml: the example routing of action alerts to the agent's webhook",
     "runbooks": "runbooks.md: one section per alert",
     "values": "kubernetes.md: the Helm chart's guide and the table of its values",
 }
 _FILES: dict[Kind, tuple[str, ...]] = {
-    "rules": ("rules.yml", "rules-fast.yml"),
+    "rules": ("rules.yml", "rules-dcgm.yml", "rules-fast.yml"),
     "alertmanager": ("alertmanager.yml",),
     "runbooks": ("runbooks.md",),
     "values": ("kubernetes.md",),

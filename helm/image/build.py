@@ -87,7 +87,7 @@ def app_version() -> str:
 
 
 def reference() -> str:
-    """The image's name: the chart's default image.repository at its appVersion."""
+    """The image's name: the chart's default image.registry and image.repository at its appVersion."""
     return f"ghcr.io/trainpatrol/trainpatrol:{app_version()}"
 
 

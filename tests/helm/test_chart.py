@@ -185,6 +185,10 @@ def test_lint_strict(values_file: Path) -> None:
     ({"portt": 9400}, "'portt' not allowed"),
     ({"serviceMonitor": {"interval": "15 seconds"}}, "interval"),
     ({"allowedActions": ["resume"]}, "allowedActions"),
+    ({"gpuSource": "dcgm-exporter"}, "gpuSource"),
+    ({"prometheusRule": {"alerts": {"Stragler": {"enabled": False}}}}, "Stragler"),
+    ({"prometheusRule": {"alerts": {"Straggler": {"severity": "page"}}}}, "severity"),
+    ({"agent": {"hostPort": {"enabled": True}}}, "hostPort"),
     ({"networkPolicy": {"extraFrom": [{"podSelectr": {}}]}}, "podSelectr"),
 ])
 def test_lint_rejects_bad_values(values: dict[str, Any], message: str) -> None:
@@ -203,7 +207,7 @@ def test_packaged_chart_holds_the_synced_files(tmp_path: Path) -> None:
     archive = helm_python.package(CHART, destination=tmp_path)
     with helm_python.Chart.load(archive) as packaged:
         names = {f["name"] for f in packaged.files}
-        assert "files/rules.yml" in names
+        assert {"files/rules.yml", "files/rules-dcgm.yml"} <= names
         assert {f"files/dashboards/{p.name}" for p in (REPO / "dashboards").glob("*.json")} <= names
         assert not [n for n in names if n.startswith("ci/")]
         values = {"prometheusRule": {"enabled": True}, "auth": {"token": "t"}}
@@ -227,7 +231,7 @@ def test_every_rendered_object_is_valid(values_file: Path, kube_version: str) ->
 
 
 def test_crd_validation_catches_unknown_and_wrong_fields() -> None:
-    sm = json.loads(json.dumps(one(_render_ci("servicemonitor-values.yaml"), "ServiceMonitor")))
+    sm = json.loads(json.dumps(one(_render_ci("servicemonitor-values.yaml"), "ServiceMonitor", "agent")))
     validate(sm, KUBE_VERSIONS[0])
     sm["spec"]["endpoints"][0]["intervall"] = "15s"
     with pytest.raises(AssertionError, match="intervall"):
@@ -245,8 +249,16 @@ def test_core_validation_is_strict() -> None:
         validate(ds, KUBE_VERSIONS[0])
 
 
+def _dashboards(gpu_source: str = "nvml") -> dict[str, str]:
+    """The dashboards a release holds: every one but the other GPU source's GPU dashboard."""
+    files = sorted((REPO / "dashboards").glob("*.json"))
+    dcgm = gpu_source == "dcgm"
+    return {p.name: p.read_text() for p in files
+            if not p.name.startswith("gpu-node") or p.name.endswith("-dcgm.json") == dcgm}
+
+
 def test_defaults_render_core_objects_only() -> None:
-    assert kinds(render()) == ["ConfigMap"] * len(list((CHART / "files" / "dashboards").glob("*.json"))) + [
+    assert kinds(render()) == ["ConfigMap"] * len(_dashboards()) + [
         "DaemonSet", "Deployment", "NetworkPolicy", "Secret", "Service", "Service", "ServiceAccount"]
 
 
@@ -282,7 +294,10 @@ def test_agent_daemonset() -> None:
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
-    assert c["ports"] == [{"name": "http", "containerPort": 9400, "protocol": "TCP", "hostPort": 9400}]
+    # Not dcgm-exporter's 9400, and no host port unless asked.
+    assert c["ports"] == [{"name": "http", "containerPort": 9402, "protocol": "TCP"}]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert "hostPID" not in pod
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert c["resources"]["limits"]["memory"] and c["resources"]["requests"]["cpu"]
@@ -295,7 +310,7 @@ def test_agent_daemonset() -> None:
 
     args = _cli_args(c)
     svc = one(docs, "Service", "agent-peers")
-    assert (args.mode, args.host, args.port, args.nvml) == ("agent", "0.0.0.0", 9400, None)
+    assert (args.mode, args.host, args.port, args.nvml) == ("agent", "0.0.0.0", 9402, None)
     assert args.nvml_interval_seconds == 1.0
     assert args.peers_dns == f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
     assert args.allowed_actions == "checkpoint,pause,capture,empty_cache,stop"
@@ -329,7 +344,7 @@ def test_router_deployment_and_service() -> None:
     svc = one(docs, "Service", "router")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 9400, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 9402, "targetPort": "http", "protocol": "TCP"}]
     assert "router" not in kinds(_render_ci("no-router-values.yaml"))
     assert not [d for d in _render_ci("no-router-values.yaml") if "router" in d["metadata"]["name"]]
     pdb = one(_render_ci("router-ha-values.yaml"), "PodDisruptionBudget")
@@ -369,7 +384,7 @@ def _rules_job() -> str:
 
 def test_servicemonitor() -> None:
     docs = _render_ci("servicemonitor-values.yaml")
-    sm = one(docs, "ServiceMonitor")
+    sm = one(docs, "ServiceMonitor", "agent")
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert sm["metadata"]["namespace"] == NAMESPACE
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
@@ -379,6 +394,7 @@ def test_servicemonitor() -> None:
     assert not sm["spec"]["selector"]["matchLabels"].items() <= router_svc["metadata"]["labels"].items()
     (ep,) = sm["spec"]["endpoints"]
     assert (ep["port"], ep["path"], ep["interval"], ep["scrapeTimeout"]) == ("http", "/metrics", "10s", "5s")
+    assert ep["honorLabels"] is True  # the workload's namespace/pod/container/node win over the agent pod's
     assert ep["relabelings"][0] == {"targetLabel": "job", "replacement": _rules_job()}
     assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in ep["relabelings"]
     assert ep["metricRelabelings"] == [{"sourceLabels": ["__name__"], "regex": "go_.*", "action": "drop"}]
@@ -386,7 +402,7 @@ def test_servicemonitor() -> None:
 
 def test_podmonitor() -> None:
     docs = _render_ci("podmonitor-values.yaml")
-    pm = one(docs, "PodMonitor")
+    pm = one(docs, "PodMonitor", "agent")
     assert pm["metadata"]["namespace"] == "monitoring"
     assert pm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     ds_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
@@ -411,11 +427,7 @@ def test_sync_copies_are_current() -> None:
 
 def test_prometheusrule_spec_is_the_shipped_rules() -> None:
     manifests = _chart().render({"prometheusRule": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE)
-    text = manifests["trainpatrol/templates/prometheusrule.yaml"]
     rules = (REPO / "alerting" / "rules.yml").read_text()
-    # Byte for byte: the spec block, un-indented, is the file.
-    block = text.split("\nspec:\n", 1)[1]
-    assert "\n".join(line[2:] for line in block.split("\n")).rstrip("\n") == rules.rstrip("\n")
     rule = one(_parse(manifests), "PrometheusRule")
     assert rule["spec"] == yaml.safe_load(rules)
     assert rule["metadata"]["labels"]["app.kubernetes.io/component"] == "alerting"
@@ -436,7 +448,7 @@ def test_dashboard_configmaps_equal_the_dashboards() -> None:
     for values_file, label, value in (("default-values.yaml", "grafana_dashboard", "1"),
                                       ("dashboards-values.yaml", "grafana_dashboard_trainpatrol", "yes")):
         cms = [d for d in _render_ci(values_file) if d["kind"] == "ConfigMap"]
-        sources = {p.name: p.read_text() for p in (REPO / "dashboards").glob("*.json")}
+        sources = _dashboards()
         assert len(cms) == len(sources)
         data = {}
         for cm in cms:
@@ -596,7 +608,7 @@ def test_networkpolicy_admits_only_the_named_peers_on_the_one_port() -> None:
         assert release.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
     assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
     (rule,) = spec["ingress"]
-    assert rule["ports"] == [{"port": 9400, "protocol": "TCP"}]
+    assert rule["ports"] == [{"port": 9402, "protocol": "TCP"}]
     assert rule["from"] == [
         {"podSelector": {"matchLabels": release}},  # the router and peer agents
         {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "alertmanager"}}},
@@ -630,7 +642,7 @@ def _check_training_pod(template: Doc, container_name: str) -> None:
     assert e["NODE_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
     # $(NODE_IP) expands only when NODE_IP is defined earlier in the list.
     assert names.index("NODE_IP") < names.index("TRAINPATROL_AGENT_URL")
-    assert e["TRAINPATROL_AGENT_URL"] == "http://$(NODE_IP):9400"
+    assert e["TRAINPATROL_AGENT_URL"] == "http://$(NODE_IP):9402"
     assert e["TRAINPATROL_RUN"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -671,7 +683,7 @@ def test_pytorchjob_example(kube_version: str) -> None:
 
 def test_notes_show_how_to_point_training_pods_at_the_agent() -> None:
     notes = _chart().render({}, name=RELEASE, namespace=NAMESPACE)["trainpatrol/templates/NOTES.txt"]
-    for text in ("TRAINPATROL_AGENT_URL", "http://$(NODE_IP):9400", "status.hostIP", "TRAINPATROL_RUN",
+    for text in ("TRAINPATROL_AGENT_URL", "http://$(NODE_IP):9402", "status.hostIP", "TRAINPATROL_RUN",
                  "TRAINPATROL_TOKEN_FILE", f"secretName: {RELEASE}-trainpatrol-token", "trainpatrol.io/patrol",
                  "values: [86]", "helm/examples/job.yaml", "helm/examples/pytorchjob.yaml"):
         assert text in notes, text
@@ -698,3 +710,170 @@ def test_every_schema_property_has_a_default_in_values_yaml() -> None:
 
     walk("", schema, values)
     _chart().validate_schema(values)
+
+
+# --- beside dcgm-exporter, tuned alerts, umbrella charts --------------------------------------------
+
+
+def _rule_ci_values() -> list[Path]:
+    return [p for p in CI_VALUES if ci_values(p).get("prometheusRule", {}).get("enabled")]
+
+
+def _tuned(values: dict[str, Any]) -> bool:
+    rule = values.get("prometheusRule", {})
+    return bool(rule.get("alerts") or "runbookBaseUrl" in rule or "xidCriticalCodes" in rule)
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+@pytest.mark.parametrize("values_file", _rule_ci_values(), ids=[p.name for p in _rule_ci_values()])
+def test_rendered_prometheusrule_passes_promtool_check_and_the_rule_tests(values_file: Path, tmp_path: Path) -> None:
+    """Every ci values file's PrometheusRule is valid; untuned, it passes the shipped promtool tests
+    of its GPU source (rules-dcgm.yml's tests for dcgm, the others for nvml)."""
+    values = ci_values(values_file)
+    dcgm = values.get("gpuSource") == "dcgm"
+    rule = one(_render_ci(values_file.name), "PrometheusRule")
+    name = "rules-dcgm.yml" if dcgm else "rules.yml"
+    (tmp_path / name).write_text(yaml.safe_dump(rule["spec"], sort_keys=False))
+    check = subprocess.run([PROMTOOL, "check", "rules", name], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    if _tuned(values):
+        return  # tuned rules differ from the shipped tests on purpose: test_tuned_alerts checks them
+    tests = []
+    for path in sorted((REPO / "alerting" / "tests").glob("*.test.yml")):
+        doc = yaml.safe_load(path.read_text())
+        if doc["rule_files"] == [f"../{name}"]:
+            doc["rule_files"] = [name]
+            (tmp_path / path.name).write_text(yaml.safe_dump(doc, sort_keys=False))
+            tests.append(path.name)
+    assert tests
+    result = subprocess.run([PROMTOOL, "test", "rules", *tests], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dcgm_mode_turns_nvml_off_and_ships_the_dcgm_rules_and_dashboard() -> None:
+    docs = _render_ci("dcgm-values.yaml")
+    c = container(one(docs, "DaemonSet"))
+    assert _cli_args(c).nvml is False
+    assert "NVIDIA_VISIBLE_DEVICES" not in env(c)
+    rule = one(docs, "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load((REPO / "alerting" / "rules-dcgm.yml").read_text())
+    data = {k: v for d in docs if d["kind"] == "ConfigMap" for k, v in d["data"].items()}
+    assert data == _dashboards("dcgm")
+    assert "gpu-node-dcgm.json" in data and "gpu-node.json" not in data
+    assert "gpu-node-dcgm.json" not in {k for d in render() if d["kind"] == "ConfigMap" for k in d["data"]}
+
+
+def test_tuned_alerts_apply_enabled_severity_for_labels_runbooks_and_xid_codes() -> None:
+    rule = one(_render_ci("tuned-alerts-values.yaml"), "PrometheusRule")
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    names = {r["alert"] for r in alerts}
+    shipped = yaml.safe_load((REPO / "alerting" / "rules.yml").read_text())
+    shipped_alerts = [r for g in shipped["groups"] for r in g["rules"] if "alert" in r]
+    assert names == {r["alert"] for r in shipped_alerts} - {"TrainPatrolStraggler"}
+    (idle,) = [r for r in alerts if r["alert"] == "TrainPatrolGPUUnderutilized"]
+    assert (idle["for"], idle["labels"]) == ("30m", {"severity": "info", "team": "ml-platform"})
+    (spike,) = [r for r in alerts if r["alert"] == "TrainPatrolLossSpike"]
+    assert spike["labels"] == {"severity": "warning", "action": "capture", "route": "slack"}
+    assert spike["for"] == "0s"
+    for r in alerts:
+        assert r["annotations"]["runbook_url"] == f"https://wiki.example.com/ml/trainpatrol-runbooks#{r['alert'].lower()}"
+    xid = [r["expr"] for r in alerts if r["alert"] == "TrainPatrolGPUXidError"]
+    assert sum('xid=~"48|79"' in e for e in xid) == 2 and sum('xid!~"48|79"' in e for e in xid) == 1
+    assert not [e for e in xid if "62" in e]
+    # Untuned alerts are as shipped.
+    (stalled,) = [r for r in alerts if r["alert"] == "TrainPatrolRankStalled"]
+    assert stalled == next(r for r in shipped_alerts if r["alert"] == "TrainPatrolRankStalled") | {
+        "annotations": stalled["annotations"]}
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+@pytest.mark.parametrize("gpu_source", ["nvml", "dcgm"])
+def test_xid_critical_codes_from_values_decide_the_severity(gpu_source: str, tmp_path: Path) -> None:
+    """With xidCriticalCodes [48, 79], XID 62 warns and XID 48 pages, from either GPU source."""
+    values = {"gpuSource": gpu_source, "prometheusRule": {"enabled": True, "xidCriticalCodes": [48, 79]}}
+    rule = one(render(values), "PrometheusRule")
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rule["spec"], sort_keys=False))
+    if gpu_source == "dcgm":
+        gpu = 'job="dcgm-exporter",instance="10.0.1.5:9400",gpu="0",UUID="GPU-aaa",Hostname="n"'
+        other = gpu.replace('gpu="0",UUID="GPU-aaa"', 'gpu="1",UUID="GPU-bbb"')
+        series = {f"DCGM_FI_DEV_XID_ERRORS{{{gpu}}}": "62x10", f"DCGM_FI_DEV_XID_ERRORS{{{other}}}": "48x10"}
+    else:
+        gpu = 'job="trainpatrol",instance="n:9402",gpu="0",uuid="GPU-aaa"'
+        series = {f'trainpatrol_gpu_xid_last_timestamp_seconds{{{gpu},xid="62"}}': "300x10",
+                  f'trainpatrol_gpu_xid_last_timestamp_seconds{{{gpu},xid="48"}}': "300x10"}
+    inputs = [{"series": k, "values": v} for k, v in series.items()]
+    expr = 'count by (severity) (ALERTS{alertname="TrainPatrolGPUXidError",alertstate="firing"})'
+    doc = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": inputs, "promql_expr_test": [{
+            "expr": expr, "eval_time": "6m", "exp_samples": [
+                {"labels": '{severity="critical"}', "value": 1}, {"labels": '{severity="warning"}', "value": 1}]}]}]}
+    (tmp_path / "xid.test.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = subprocess.run([PROMTOOL, "test", "rules", "xid.test.yml"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_xid_codes_in_the_chart_match_the_rule_config() -> None:
+    """The template finds the shipped codes in the rules by the list in _helpers.tpl."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from alerting.config import DEFAULT
+    finally:
+        sys.path.remove(str(REPO))
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    shipped = re.search(r'define "trainpatrol.shippedXidCodes" -}}\n([0-9,]+)\n', helpers)
+    assert shipped and shipped.group(1) == ",".join(map(str, DEFAULT.xid_critical_codes))
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert tuple(values["prometheusRule"]["xidCriticalCodes"]) == DEFAULT.xid_critical_codes
+
+
+def test_global_values_namespace_override_registry_host_port_and_host_pid() -> None:
+    docs = _render_ci("global-values.yaml")
+    assert {d["metadata"]["namespace"] for d in docs} == {"gpu-monitoring"}
+    ds = one(docs, "DaemonSet")
+    pod, c = ds["spec"]["template"]["spec"], container(ds)
+    assert c["image"] == "mirror.example.com/trainpatrol/trainpatrol:" + _chart().metadata["appVersion"]
+    assert c["ports"] == [{"name": "http", "containerPort": 9402, "protocol": "TCP", "hostPort": 9402}]
+    assert pod["hostPID"] is True and _cli_args(c).nvml_processes is True
+    peers = one(docs, "Service", "agent-peers")["metadata"]["name"]
+    assert _cli_args(c).peers_dns == f"{peers}.gpu-monitoring.svc.cluster.local"
+    digest = container(one(_render_ci("image-digest-values.yaml"), "DaemonSet"))["image"]
+    assert digest.startswith("registry.example.com/ml/trainpatrol@sha256:")
+    bare = container(one(render({"image": {"registry": ""}}), "DaemonSet"))["image"]
+    assert bare.startswith("trainpatrol/trainpatrol:")
+
+
+def test_the_router_is_scraped_under_its_own_job() -> None:
+    for values_file, kind, endpoints in (("servicemonitor-values.yaml", "ServiceMonitor", "endpoints"),
+                                         ("podmonitor-values.yaml", "PodMonitor", "podMetricsEndpoints")):
+        docs = _render_ci(values_file)
+        mon = one(docs, kind, "router")
+        pod = one(docs, "Deployment", "router")["spec"]["template"]["metadata"]
+        target = one(docs, "Service", "router")["metadata"] if kind == "ServiceMonitor" else pod
+        assert mon["spec"]["selector"]["matchLabels"].items() <= target["labels"].items()
+        (ep,) = mon["spec"][endpoints]
+        assert ep["relabelings"] == [{"targetLabel": "job", "replacement": "trainpatrol-router"}]
+    assert not [d for d in _render_ci("no-router-values.yaml") if d["kind"] == "ServiceMonitor"]
+
+
+def test_umbrella_chart_with_global_values_lints_and_renders(tmp_path: Path) -> None:
+    umbrella = tmp_path / "ml-platform"
+    (umbrella / "charts").mkdir(parents=True)
+    (umbrella / "templates").mkdir()
+    shutil.copytree(CHART, umbrella / "charts" / "trainpatrol", ignore=shutil.ignore_patterns("ci"))
+    version = _chart().metadata["version"]
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "ml-platform", "version": "1.0.0",
+        "dependencies": [{"name": "trainpatrol", "version": version, "repository": "file://charts/trainpatrol"}]}))
+    values = {"global": {"imageRegistry": "mirror.example.com", "storageClass": "fast"},
+              "trainpatrol": {"prometheusRule": {"enabled": True}, "gpuSource": "dcgm"}}
+    (umbrella / "values.yaml").write_text(yaml.safe_dump(values))
+    report = helm_python.lint(umbrella, values=values, strict=True, kube_version="v" + KUBE_VERSIONS[0],
+                              namespace=NAMESPACE)
+    assert report["errors"] == [], report["errors"]
+    docs = _parse(helm_python.Chart.load(umbrella).render(values, name=RELEASE, namespace=NAMESPACE))
+    ds = one(docs, "DaemonSet")
+    assert container(ds)["image"].startswith("mirror.example.com/trainpatrol/trainpatrol:")
+    assert one(docs, "PrometheusRule")["spec"] == yaml.safe_load((REPO / "alerting" / "rules-dcgm.yml").read_text())

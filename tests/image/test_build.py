@@ -75,7 +75,8 @@ def test_image_reference_is_the_charts_default_image() -> None:
     values = yaml.safe_load((build.ROOT / "helm/trainpatrol/values.yaml").read_text())["image"]
     chart = yaml.safe_load((build.ROOT / "helm/trainpatrol/Chart.yaml").read_text())
     tag = values["tag"] or chart["appVersion"]
-    assert build.reference() == f"{values['repository']}:{tag}" == "ghcr.io/trainpatrol/trainpatrol:0.1.0"
+    assert build.reference() == f"{values['registry']}/{values['repository']}:{tag}" == \
+        "ghcr.io/trainpatrol/trainpatrol:0.1.0"
 
 
 def test_python_version_comes_from_the_pinned_interpreter() -> None:

@@ -48,12 +48,26 @@ app.kubernetes.io/part-of: trainpatrol
 {{- end }}
 {{- end -}}
 
-{{- define "trainpatrol.image" -}}
-{{- if .Values.image.digest -}}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
-{{- else -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{/* Namespace of every object: namespaceOverride (e.g. from an umbrella chart), else the release's. */}}
+{{- define "trainpatrol.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{/* <registry>/<repository>, global.imageRegistry winning as umbrella charts expect; no registry: the repository alone. */}}
+{{- define "trainpatrol.image" -}}
+{{- $registry := .Values.image.registry -}}
+{{- with .Values.global }}{{ with .imageRegistry }}{{ $registry = . }}{{ end }}{{ end -}}
+{{- $repository := ternary (printf "%s/%s" $registry .Values.image.repository) .Values.image.repository (ne $registry "") -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" $repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Codes of XIDs that page critical in the generated rules (alerting/config.py xid_critical_codes). */}}
+{{- define "trainpatrol.shippedXidCodes" -}}
+48,62,64,74,79,95,119,120
 {{- end -}}
 
 {{- define "trainpatrol.serviceAccountName" -}}
@@ -109,11 +123,11 @@ from the lookup so the precedence can be tested without a cluster.
 {{- end -}}
 
 {{- define "trainpatrol.peersDNS" -}}
-{{- printf "%s.%s.svc.%s" (include "trainpatrol.peersService" .) .Release.Namespace .Values.clusterDomain -}}
+{{- printf "%s.%s.svc.%s" (include "trainpatrol.peersService" .) (include "trainpatrol.namespace" .) .Values.clusterDomain -}}
 {{- end -}}
 
 {{- define "trainpatrol.webhookURL" -}}
-{{- printf "http://%s.%s.svc.%s:%d/v1/alertmanager" (include "trainpatrol.routerName" .) .Release.Namespace .Values.clusterDomain (int .Values.port) -}}
+{{- printf "http://%s.%s.svc.%s:%d/v1/alertmanager" (include "trainpatrol.routerName" .) (include "trainpatrol.namespace" .) .Values.clusterDomain (int .Values.port) -}}
 {{- end -}}
 
 {{/* Flags and environment shared by agent and router. */}}
