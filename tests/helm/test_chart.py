@@ -259,7 +259,7 @@ def _dashboards(gpu_source: str = "nvml") -> dict[str, str]:
 
 def test_defaults_render_core_objects_only() -> None:
     assert kinds(render()) == ["ConfigMap"] * len(_dashboards()) + [
-        "DaemonSet", "Deployment", "NetworkPolicy", "Secret", "Service", "Service", "ServiceAccount"]
+        "DaemonSet", "Deployment", "NetworkPolicy", "Secret", "Service", "Service", "Service", "ServiceAccount"]
 
 
 @pytest.mark.parametrize("values, message", [
@@ -382,6 +382,22 @@ def _rules_job() -> str:
     return jobs.pop()
 
 
+def test_training_pods_reach_the_agent_on_their_node_through_a_node_local_service() -> None:
+    docs = _render_ci("default-values.yaml")
+    ds = one(docs, "DaemonSet", "agent")
+    (local,) = [d for d in docs if d["kind"] == "Service" and d["spec"].get("internalTrafficPolicy") == "Local"]
+    assert local["metadata"]["name"] == ds["metadata"]["name"]
+    assert local["spec"]["type"] == "ClusterIP"
+    assert local["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert local["spec"]["ports"] == [{"name": "http", "port": 9402, "targetPort": "http", "protocol": "TCP"}]
+    # the examples' URL: release "trainpatrol" in namespace "monitoring"
+    named = _parse(_chart().render({}, name="trainpatrol", namespace="monitoring"))
+    assert [d["metadata"]["name"] for d in named if d["kind"] == "Service"
+            and d["spec"].get("internalTrafficPolicy") == "Local"] == ["trainpatrol-agent"]
+    off = render({"agent": {"localService": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "Service" and d["spec"].get("internalTrafficPolicy") == "Local"]
+
+
 def test_servicemonitor() -> None:
     docs = _render_ci("servicemonitor-values.yaml")
     sm = one(docs, "ServiceMonitor", "agent")
@@ -392,6 +408,8 @@ def test_servicemonitor() -> None:
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     router_svc = one(docs, "Service", "router")
     assert not sm["spec"]["selector"]["matchLabels"].items() <= router_svc["metadata"]["labels"].items()
+    local = next(d for d in docs if d["kind"] == "Service" and d["spec"].get("internalTrafficPolicy") == "Local")
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= local["metadata"]["labels"].items()  # scraped once
     (ep,) = sm["spec"]["endpoints"]
     assert (ep["port"], ep["path"], ep["interval"], ep["scrapeTimeout"]) == ("http", "/metrics", "10s", "5s")
     assert ep["honorLabels"] is True  # the workload's namespace/pod/container/node win over the agent pod's
@@ -639,10 +657,13 @@ def _check_training_pod(template: Doc, container_name: str) -> None:
     (c,) = [c for c in pod["containers"] if c["name"] == container_name]
     names = [e["name"] for e in c["env"]]
     e = env(c)
-    assert e["NODE_IP"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
-    # $(NODE_IP) expands only when NODE_IP is defined earlier in the list.
-    assert names.index("NODE_IP") < names.index("TRAINPATROL_AGENT_URL")
-    assert e["TRAINPATROL_AGENT_URL"] == "http://$(NODE_IP):9402"
+    assert "NODE_IP" not in names  # no host port: the node-local Service of release "trainpatrol" reaches the agent
+    assert e["TRAINPATROL_AGENT_URL"] == "http://trainpatrol-agent.monitoring.svc:9402"
+    # the workload's identity from the downward API, on Kubernetes (probe.workload)
+    assert e["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert e["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert e["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert e["CONTAINER_NAME"] == container_name
     assert e["TRAINPATROL_RUN"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -683,7 +704,8 @@ def test_pytorchjob_example(kube_version: str) -> None:
 
 def test_notes_show_how_to_point_training_pods_at_the_agent() -> None:
     notes = _chart().render({}, name=RELEASE, namespace=NAMESPACE)["trainpatrol/templates/NOTES.txt"]
-    for text in ("TRAINPATROL_AGENT_URL", "http://$(NODE_IP):9402", "status.hostIP", "TRAINPATROL_RUN",
+    for text in ("TRAINPATROL_AGENT_URL", f"http://{RELEASE}-trainpatrol-agent.{NAMESPACE}.svc.cluster.local:9402",
+                 "TRAINPATROL_RUN",
                  "TRAINPATROL_TOKEN_FILE", f"secretName: {RELEASE}-trainpatrol-token", "trainpatrol.io/patrol",
                  "values: [86]", "helm/examples/job.yaml", "helm/examples/pytorchjob.yaml"):
         assert text in notes, text

@@ -122,6 +122,15 @@ from the lookup so the precedence can be tested without a cluster.
 {{- include "trainpatrol.componentName" (list . "agent-peers") -}}
 {{- end -}}
 
+{{/* The node-local Service training pods push through: only to the agent on their own node. */}}
+{{- define "trainpatrol.localService" -}}
+{{- include "trainpatrol.componentName" (list . "agent") -}}
+{{- end -}}
+
+{{- define "trainpatrol.localDNS" -}}
+{{- printf "%s.%s.svc.%s" (include "trainpatrol.localService" .) (include "trainpatrol.namespace" .) .Values.clusterDomain -}}
+{{- end -}}
+
 {{- define "trainpatrol.peersDNS" -}}
 {{- printf "%s.%s.svc.%s" (include "trainpatrol.peersService" .) (include "trainpatrol.namespace" .) .Values.clusterDomain -}}
 {{- end -}}
