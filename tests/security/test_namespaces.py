@@ -1,0 +1,75 @@
+"""Runs are (namespace, run): two namespaces with a run of the same name cannot touch each other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rank_client import AUTH, alert, loopback, make_agent, payload, push, snapshot
+
+A, B = "team-a", "team-b"
+A_TOKEN = "team-a-token"
+
+
+def _two_runs(**config: object) -> tuple[Any, Any]:
+    agent = make_agent(**config)
+    client = loopback(agent)
+    for ns, key in ((A, "key-a"), (B, "key-b")):
+        for rank in (0, 1):
+            assert push(client, key, namespace=ns, rank=rank).status_code == 200
+    return agent, client
+
+
+def test_a_push_with_one_namespaces_key_cannot_push_into_the_other() -> None:
+    agent, client = _two_runs()
+    r = push(client, "key-a", namespace=B, rank=1, step=99)
+    assert r.status_code == 403
+    assert {(e.snapshot.namespace, e.snapshot.rank): e.snapshot.step
+            for e in agent.store.entries()} == {(A, 0): 5, (A, 1): 5, (B, 0): 5, (B, 1): 5}
+
+
+def test_an_action_for_one_namespace_reaches_only_its_ranks() -> None:
+    agent, client = _two_runs()
+    r = client.post(f"/v1/namespaces/{A}/runs/train/actions", json={"action": "pause"}, headers=AUTH)
+    assert r.status_code == 202, r.text
+    cid = r.json()["id"]
+    assert r.json()["namespace"] == A
+    assert [c["id"] for c in push(client, "key-a", namespace=A, rank=0).json()["commands"]] == [cid]
+    assert push(client, "key-b", namespace=B, rank=0).json()["commands"] == []
+    # the old route addresses the run of the empty namespace, which does not exist here
+    assert client.post("/v1/runs/train/actions", json={"action": "pause"}, headers=AUTH).status_code == 404
+    # B's ranks cannot acknowledge A's command, and A's acknowledgement retires it for A only
+    assert push(client, "key-b", namespace=A, rank=0, done_commands=[cid]).status_code == 403
+    for rank in (0, 1):
+        push(client, "key-a", namespace=A, rank=rank, done_commands=[cid])
+    assert agent.store.pending("train", namespace=A) == []
+    assert agent.store.pending("train", namespace=B) == []
+
+
+def test_a_webhook_alert_acts_on_the_run_of_its_namespace_label() -> None:
+    agent, client = _two_runs()
+    r = client.post("/v1/alertmanager", json=payload(alert("f1", namespace=B)), headers=AUTH)
+    assert r.status_code == 202, r.text
+    assert [c.action for c in agent.store.pending("train", namespace=B)] == ["pause"]
+    assert agent.store.pending("train", namespace=A) == []
+
+
+def test_a_namespace_token_reaches_only_its_namespace() -> None:
+    agent, client = _two_runs(namespace_tokens={A: A_TOKEN})
+    scoped = {"Authorization": f"Bearer {A_TOKEN}"}
+    assert client.post(f"/v1/namespaces/{B}/runs/train/actions", json={"action": "pause"},
+                       headers=scoped).status_code == 403
+    assert client.post(f"/v1/namespaces/{A}/runs/train/actions", json={"action": "pause"},
+                       headers=scoped).status_code == 202
+    r = client.post("/v1/alertmanager", json=payload(alert("f2", namespace=B)), headers=scoped)
+    assert [x["outcome"] for x in r.json()["results"]] == ["forbidden_namespace"]
+    assert agent.store.pending("train", namespace=B) == []
+    # from another host, the scoped token pushes for its own namespace only
+    from fastapi.testclient import TestClient
+
+    remote = TestClient(agent.app)
+    ok = remote.post("/v1/push", json=snapshot(namespace=A, rank=0),
+                     headers={**scoped, "X-Trainpatrol-Run-Key": "key-a"})
+    assert ok.status_code == 200
+    refused = remote.post("/v1/push", json=snapshot(namespace=B, rank=0),
+                          headers={**scoped, "X-Trainpatrol-Run-Key": "key-b"})
+    assert refused.status_code == 403
