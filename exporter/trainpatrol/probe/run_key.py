@@ -1,0 +1,34 @@
+"""The run's key: the secret every push of the run proves to the agent (agent.run_keys).
+
+``TRAINPATROL_RUN_KEY`` when the launcher or chart gives every rank the same one; otherwise rank 0
+makes one and, under torch.distributed, hands it to the other ranks once, at Patrol's construction
+(one small broadcast, never per step). A single process makes its own. The key never leaves the job:
+the agent keeps a digest and never sends it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+
+import torch.distributed as dist
+
+log = logging.getLogger("trainpatrol")
+ENV = "TRAINPATROL_RUN_KEY"
+
+
+def run_key(configured: str, distributed: bool) -> str:
+    """``configured`` if set, else one key shared by every rank of the process group."""
+    if configured:
+        return configured
+    key = secrets.token_hex(16)
+    if distributed:
+        shared = [key if dist.get_rank() == 0 else ""]
+        dist.broadcast_object_list(shared, src=0)  # every rank constructs its Patrol, so all meet here
+        return str(shared[0])
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        log.warning("trainpatrol: WORLD_SIZE > 1 but torch.distributed is not initialised when Patrol is made, "
+                    "so this rank's run key is its own and the agent refuses all but the first rank's pushes. "
+                    "Initialise the process group first, or give every rank the same %s.", ENV)
+    return key
