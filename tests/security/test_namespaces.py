@@ -73,3 +73,21 @@ def test_a_namespace_token_reaches_only_its_namespace() -> None:
     refused = remote.post("/v1/push", json=snapshot(namespace=B, rank=0),
                           headers={**scoped, "X-Trainpatrol-Run-Key": "key-b"})
     assert refused.status_code == 403
+
+
+def test_the_cli_acts_on_the_run_of_the_namespace_it_names(capsys: Any, monkeypatch: Any) -> None:
+    from rank_client import TOKEN
+    from servers import agent_in_thread
+    from trainpatrol.cli import main
+
+    agent, _ = _two_runs()
+    monkeypatch.setenv("TRAINPATROL_TOKEN", TOKEN)
+    with agent_in_thread(agent.app) as port:
+        args = ["pause", "train", "--agent", f"http://127.0.0.1:{port}", "--namespace", B]
+        assert main(args) == 0
+        assert main(args) == 0
+    first, again = capsys.readouterr().out.splitlines()
+    (command,) = agent.store.pending("train", namespace=B)
+    assert first == f"pause queued for run train (id {command.id}; 2 live ranks)"
+    assert again == f"pause already queued for run train (id {command.id}; 2 live ranks)"
+    assert agent.store.pending("train", namespace=A) == []

@@ -35,10 +35,11 @@ from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
 from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot
 from .alerts import Deduper, WebhookPayload
-from .auth import EVERY, PUSH_REFUSED, PushProof, push_scope, require_control
+from .auth import PUSH_REFUSED, PushProof, push_scope, require_control
 from .config import AgentConfig
 from .hotpath import HotPaths
 from .push_stream import PushRefused
+from .refusals import no_live_rank, rate_limited
 from .router import FORWARDED_HEADER, Router
 from .run_keys import RUN_KEY_HEADER, digest
 from .store import Enqueued, RankStore, WrongRunKey
@@ -91,16 +92,6 @@ _PROBLEMS = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or w
 _NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
     404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
     409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
-
-
-def no_live_rank(run: str, namespace: str = "") -> str:
-    """The refusal of a command that no rank of ``run`` could carry out (the CLI prints it as it is)."""
-    return f"no live rank of run {run}{f' in namespace {namespace}' if namespace else ''} on this agent"
-
-
-def rate_limited(run: str, namespace: str, action: str, limit: int) -> str:
-    where = f" in namespace {namespace!r}" if namespace else ""
-    return f"Run {run!r}{where} had {limit} {action} actions in the last 60 s, the limit; retry later."
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -187,8 +178,8 @@ class Agent:
             self._scraped = False
             self.collectors.body()
 
-    def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None = None,
-                    proof: PushProof = PushProof(EVERY, b"")) -> list[Command]:  # noqa: B008
+    def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None,
+                    proof: PushProof) -> list[Command]:
         """Store a valid push that ``proof`` allows and lay out its series; returns the commands for its
         reply. ``same_series_as``: a snapshot known to have the same series (a delta line's base).
         Raises ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key."""

@@ -103,8 +103,9 @@ class RankStore:
                 return "duplicate", command
             run = run_id(command)
             queue = self._commands.setdefault(run, [])
-            acted = {cid for snap in self._run_snapshots(run) for cid in snap.done_commands}
-            same = next((c for c in queue if c.action == command.action and c.id not in acted), None)
+            snaps = self._run_snapshots(run)  # no set of every rank's done ids: a storm of alerts comes here
+            same = next((c for c in queue if c.action == command.action
+                         and not any(c.id in snap.done_commands for snap in snaps)), None)
             if same is not None:
                 return "coalesced", same
             if not self._limits.take(run, command.action, self._clock()):

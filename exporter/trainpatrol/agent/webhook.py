@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from .alerts import Alert, WebhookPayload, classify, to_command
 from .auth import Scope
+from .refusals import no_live_rank
 
 if TYPE_CHECKING:
     from .app import Agent
@@ -50,8 +51,6 @@ class Webhooks:
                     enqueued, _ = agent.enqueue(command)
                     kind = "act" if enqueued == "queued" else enqueued
                 else:  # a queued command would wait for a rank that never comes
-                    from .app import no_live_rank
-
                     kind, detail = "no_live_rank", no_live_rank(command.run, namespace)
             elif kind == "forbidden":
                 refused.append(f"{name}: action {alert.labels.get('action')!r}")
