@@ -140,7 +140,7 @@ class Patrol:
                 log.warning("trainpatrol: no agent answers at %s, and local rank 0 started none; pushes will retry",
                             cfg.agent_url)
         self.publisher = Publisher(cfg.agent_url, self.snapshot, self._on_commands, token=cfg.token,
-                                   run_key=run_key(cfg.run_key, self.coordinator.distributed),
+                                   run_key=run_key(cfg.run_key, self.coordinator.distributed, self.device),
                                    interval=cfg.push_interval_seconds)
         self.publisher.start()
 

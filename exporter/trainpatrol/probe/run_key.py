@@ -12,20 +12,23 @@ import logging
 import os
 import secrets
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger("trainpatrol")
 ENV = "TRAINPATROL_RUN_KEY"
 
 
-def run_key(configured: str, distributed: bool) -> str:
-    """``configured`` if set, else one key shared by every rank of the process group."""
+def run_key(configured: str, distributed: bool, device: torch.device) -> str:
+    """``configured`` if set, else one key shared by every rank of the process group. ``device``: the
+    rank's own GPU, which NCCL carries the broadcast on (the current device may be another rank's)."""
     if configured:
         return configured
     key = secrets.token_hex(16)
     if distributed:
         shared = [key if dist.get_rank() == 0 else ""]
-        dist.broadcast_object_list(shared, src=0)  # every rank constructs its Patrol, so all meet here
+        on = device if dist.get_backend() == "nccl" else None
+        dist.broadcast_object_list(shared, src=0, device=on)  # every rank constructs its Patrol: all meet here
         return str(shared[0])
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         log.warning("trainpatrol: WORLD_SIZE > 1 but torch.distributed is not initialised when Patrol is made, "
