@@ -263,7 +263,7 @@ def test_command_queues_expire_with_their_ttl() -> None:
 
     clock = Clock(T0)
     store, _ = store_and_registry(clock)
-    assert store.enqueue(Command(id=5, run="never-started", action="pause", created=T0))
+    assert store.enqueue(Command(id=5, run="never-started", action="pause", created=T0))[0] == "queued"
     assert [c.id for c in store.pending("never-started")] == [5]
     clock.now = T0 + COMMAND_TTL_SECONDS + 1
     store.expire()

@@ -5,9 +5,8 @@ rate-limited per run and minute (defaults: 2 and 4)."""
 
 from __future__ import annotations
 
-from rank_client import AUTH, alert, counter, loopback, make_agent, payload, push
-
 from fake_clock import T0, Clock
+from rank_client import AUTH, alert, counter, loopback, make_agent, payload, push
 
 KEY = "run-key"
 
@@ -27,6 +26,19 @@ def test_an_oom_risk_group_of_eight_alerts_makes_one_checkpoint() -> None:
     assert [x["outcome"] for x in r.json()["results"]] == ["act"] + ["coalesced"] * 7
     assert [c.action for c in agent.store.pending("train")] == ["checkpoint"]
     assert counter(agent, "trainpatrol_control_commands_total", action="checkpoint", source="alertmanager") == 1.0
+
+
+def test_a_webhook_of_a_thousand_capture_alerts_queues_one_capture() -> None:
+    agent = make_agent()
+    client = loopback(agent)
+    _ack_all(client, [])
+    alerts = [alert(f"cap{i}", action="capture", alertname="TrainPatrolLoaderStall", rank=str(i % 8))
+              for i in range(1000)]
+    r = client.post("/v1/alertmanager", json=payload(*alerts), headers=AUTH)
+    assert r.status_code == 202
+    outcomes = [x["outcome"] for x in r.json()["results"]]
+    assert (outcomes.count("act"), outcomes.count("coalesced")) == (1, 999)
+    assert [c.action for c in agent.store.pending("train")] == ["capture"]
 
 
 def test_a_capture_storm_makes_at_most_four_bundles_a_minute() -> None:

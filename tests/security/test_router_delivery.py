@@ -12,7 +12,6 @@ import urllib.request
 from typing import Any
 
 from rank_client import AUTH, TOKEN, alert, counter, payload
-
 from servers import agent_in_thread, free_port
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
@@ -63,3 +62,20 @@ def test_an_alert_forwarded_while_the_peer_is_down_is_delivered_on_the_resend() 
                 assert (status, [r["outcome"] for r in answer["results"]]) == (202, ["duplicate"])
     assert counter(router, "trainpatrol_forwarded_alerts_total", outcome="failed") == 2.0
     assert counter(router, "trainpatrol_forwarded_alerts_total", outcome="ok") == 2.0
+
+
+def test_the_router_forwards_by_namespace_and_run() -> None:
+    """The peer hosts run B of namespace team-a: an alert for B of team-b is hosted nowhere."""
+    peer_port = free_port()
+    router, peer = _agents(peer_port)
+    body = json.dumps({"run": "B", "namespace": "team-a", "rank": 0, "world_size": 1, "step": 1}).encode()
+    with agent_in_thread(peer.app, port=peer_port), agent_in_thread(router.app) as router_port:
+        req = urllib.request.Request(f"http://127.0.0.1:{peer_port}/v1/push", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "X-Trainpatrol-Run-Key": "k"})
+        urllib.request.urlopen(req, timeout=5).close()
+        status, answer = _post(router_port, payload(alert("ns-b", run="B", namespace="team-b"),
+                                                    alert("ns-a", run="B", namespace="team-a")))
+    assert status == 202, answer
+    assert [r["outcome"] for r in answer["results"]] == ["no_peer", "forwarded"]
+    assert [c.alert["fingerprint"] for c in peer.store.pending("B", namespace="team-a") if c.alert] == ["ns-a"]
+    assert peer.store.pending("B", namespace="team-b") == []
