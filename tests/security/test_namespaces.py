@@ -10,7 +10,7 @@ A, B = "team-a", "team-b"
 A_TOKEN = "team-a-token"
 
 
-def _two_runs(**config: object) -> tuple[Any, Any]:
+def _two_runs(**config: Any) -> tuple[Any, Any]:
     agent = make_agent(**config)
     client = loopback(agent)
     for ns, key in ((A, "key-a"), (B, "key-b")):
