@@ -91,3 +91,16 @@ def test_loopback_push_with_a_wrong_agent_token_is_refused() -> None:
     assert agent.store.entries() == ()
     assert counter(agent, "trainpatrol_pushes_total", outcome="unauthorized") == 2.0
     assert push(client, VICTIM_KEY, headers={"Authorization": f"Bearer {TOKEN}"}, rank=0).status_code == 200
+
+
+def test_a_run_relaunched_with_a_new_key_takes_over_once_every_rank_ended() -> None:
+    agent = make_agent()
+    client = loopback(agent)
+    for rank in (0, 1):
+        assert push(client, "first-launch", rank=rank).status_code == 200
+    assert push(client, "relaunch", rank=0).status_code == 403  # rank 1 still runs
+    assert push(client, "first-launch", rank=0, state="stopped").status_code == 200
+    assert push(client, "relaunch", rank=0).status_code == 403
+    assert push(client, "first-launch", rank=1, state="closed").status_code == 200
+    assert push(client, "relaunch", rank=0).status_code == 200
+    assert push(client, "first-launch", rank=1).status_code == 403  # the old launch is out

@@ -69,7 +69,7 @@ class RankStore:
         run = run_id(snap)
         key = (snap.namespace, snap.run, snap.rank)
         with self._lock:
-            if not self._keys.admit(run, key_digest):
+            if not self._keys.admit(run, key_digest, self._ended):
                 raise WrongRunKey(run)
             old = self._ranks.get(key)
             advanced = old is None or snap.step != old.snapshot.step
@@ -89,6 +89,10 @@ class RankStore:
                 if now - c.created < COMMAND_TTL_SECONDS and not all(c.id in r.done_commands for r in ranks)
             ]
             return [c for c in self._commands[run] if c.id not in done]
+
+    def _ended(self, run: RunId) -> bool:
+        """Every rank of ``run`` closed or stopped (asked only of a push with another key)."""
+        return all(snap.state in ENDED_STATES for snap in self._run_snapshots(run))
 
     def _run_snapshots(self, run: RunId) -> list[RankSnapshot]:
         return [e.snapshot for (ns, r, _), e in self._ranks.items() if (ns, r) == run]
