@@ -38,3 +38,19 @@ def test_a_patrols_pushes_carry_its_run_key_and_a_forger_is_refused(tmp_path: Pa
         finally:
             patrol.close()
     assert agent.store.runs()["keyed"]["state"] == "closed"
+
+
+def test_ranks_without_a_process_group_push_without_a_key_and_say_so(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from trainpatrol.probe.run_key import run_key
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    made = run_key("", False, cpu)
+    assert len(made) == 32 and made != run_key("", False, cpu)
+    assert run_key("from-the-launcher", False, cpu) == "from-the-launcher"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level("WARNING", logger="trainpatrol"):
+        assert run_key("", False, cpu) == ""
+    assert "give every rank the same TRAINPATROL_RUN_KEY" in caplog.text
+    assert run_key("from-the-launcher", False, cpu) == "from-the-launcher"

@@ -2,7 +2,8 @@
 
 ``TRAINPATROL_RUN_KEY`` when the launcher or chart gives every rank the same one; otherwise rank 0
 makes one and, under torch.distributed, hands it to the other ranks once, at Patrol's construction
-(one small broadcast, never per step). A single process makes its own. The key never leaves the job:
+(one small broadcast, never per step). A single process makes its own. Ranks of a larger world with
+no process group yet have no way to agree on one: they push without a key, and say so. The key never leaves the job:
 the agent keeps a digest and never sends it back.
 """
 
@@ -31,7 +32,10 @@ def run_key(configured: str, distributed: bool, device: torch.device) -> str:
         dist.broadcast_object_list(shared, src=0, device=on)  # every rank constructs its Patrol: all meet here
         return str(shared[0])
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        # ranks with keys of their own would lock each other out: the first to push binds its key
         log.warning("trainpatrol: WORLD_SIZE > 1 but torch.distributed is not initialised when Patrol is made, "
-                    "so this rank's run key is its own and the agent refuses all but the first rank's pushes. "
-                    "Initialise the process group first, or give every rank the same %s.", ENV)
+                    "so the ranks cannot agree on a run key and this run's pushes carry none: another process "
+                    "could push as this run. Initialise the process group first, or give every rank the same %s.",
+                    ENV)
+        return ""
     return key
