@@ -7,7 +7,12 @@ closed, stopped or went down ("no live rank of run RUN on this agent"); nothing 
 webhook applies the same rule alert by alert, but answers 2xx (Alertmanager re-sends on 5xx and after
 a 4xx): that alert's outcome is ``no_live_rank``, with the same message, and it is counted in
 ``trainpatrol_webhook_alerts_total{outcome="no_live_rank"}``. Alerts for runs this agent does not
-host still go to the peer that does, when peers are configured (agent.router).
+host still go to the peer that does, when peers are configured (agent.router; agent.webhook).
+
+A run is (namespace, run): ``/v1/namespaces/{namespace}/runs/{run}/...``, and ``/v1/runs/{run}/...``
+for the empty namespace. A command of an action that a queued one no rank acted on yet already asks
+for is coalesced into it (202, its id); checkpoints and captures past the run's per-minute limit get
+429. A push speaks only for the run whose key it proves (agent.run_keys); docs/security.md.
 """
 
 from __future__ import annotations
