@@ -91,3 +91,21 @@ def test_the_cli_acts_on_the_run_of_the_namespace_it_names(capsys: Any, monkeypa
     assert first == f"pause queued for run train (id {command.id}; 2 live ranks)"
     assert again == f"pause already queued for run train (id {command.id}; 2 live ranks)"
     assert agent.store.pending("train", namespace=A) == []
+
+
+def test_namespace_tokens_and_rate_limits_come_from_the_environment_or_a_file(tmp_path: Any) -> None:
+    import pytest
+
+    from trainpatrol.agent.config import AgentConfig, ConfigError
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# namespace=token\nteam-a=from-file\nteam-c=only-in-file\n")
+    env = {"TRAINPATROL_NAMESPACE_TOKENS": "team-a=from-env,team-b=b-token",
+           "TRAINPATROL_NAMESPACE_TOKENS_FILE": str(tokens), "TRAINPATROL_ACTION_RATE_LIMITS": "capture=1"}
+    config = AgentConfig.from_env(env).load()
+    assert config.namespace_tokens == {"team-a": "from-env", "team-b": "b-token", "team-c": "only-in-file"}
+    assert config.action_rate_limits == {"capture": 1}
+    with pytest.raises(ConfigError, match="Config 'namespace_tokens' has entry 'Team_A'"):
+        AgentConfig(namespace_tokens={"Team_A": "x"}).load()
+    with pytest.raises(ConfigError, match="Config 'action_rate_limits' has entry frobnicate=1"):
+        AgentConfig(action_rate_limits={"frobnicate": 1}).load()
