@@ -122,6 +122,11 @@ def push_ranks(port: int, template: dict[str, Any], ranks: int, transport: str, 
         sim.close()
 
 
+RUN_KEY = "bench-run-key"
+"""Every fake rank proves it, as a Patrol's ranks prove their run's key (probe.run_key)."""
+RUN_KEY_HEADER = "X-Trainpatrol-Run-Key"
+
+
 class RankSim:
     """One rank's pushes: its snapshot moving as training would, over a stream or one request each."""
 
@@ -138,7 +143,7 @@ class RankSim:
         self.port, self.transport = port, transport
         self.seq, self.step = 0, int(snap["step"])
         self.conn: http.client.HTTPConnection | None = None  # kept alive between pushes, as Patrol does
-        self.stream, self.delta = PushStream("127.0.0.1", port, timeout=5.0), DeltaEncoder()
+        self.stream, self.delta = PushStream("127.0.0.1", port, timeout=5.0, run_key=RUN_KEY), DeltaEncoder()
 
     def prepare(self, at: float) -> bytes | None:
         """The next push's body, taken at ``at``; None where the stream could not be opened."""
@@ -163,7 +168,8 @@ class RankSim:
                 self.stream.send(body)
                 return not any("status" in reply for reply in self.stream.replies()) and not self.stream.ended
             self.conn = self.conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=5.0)
-            self.conn.request("POST", "/v1/push", body=body, headers={"Content-Type": "application/json"})
+            self.conn.request("POST", "/v1/push", body=body,
+                              headers={"Content-Type": "application/json", RUN_KEY_HEADER: RUN_KEY})
             resp = self.conn.getresponse()
             resp.read()
             return resp.status == 200

@@ -107,6 +107,7 @@ def _control_parsers(sub: Any) -> None:
     for action in ACTIONS:
         p = sub.add_parser(action.replace("_", "-"), help=f"ask every rank of RUN to {action}")
         p.add_argument("run")
+        p.add_argument("--namespace", default="", help="the run's namespace (default: none)")
         p.add_argument("--reason", default="requested from the CLI")
         _client_args(p)
         p.set_defaults(action=action)
@@ -306,7 +307,8 @@ def _action(args: argparse.Namespace) -> int:
     refuses (``no live rank of run RUN on this agent`` when no rank of the run could carry it out)
     or cannot be reached."""
     try:
-        reply = _call(args, f"/v1/runs/{args.run}/actions", {"action": args.action, "reason": args.reason})
+        where = f"/v1/namespaces/{args.namespace}" if args.namespace else "/v1"
+        reply = _call(args, f"{where}/runs/{args.run}/actions", {"action": args.action, "reason": args.reason})
     except urllib.error.HTTPError as exc:
         if exc.code not in (404, 409):
             raise _answered(args, exc) from None
@@ -314,7 +316,8 @@ def _action(args: argparse.Namespace) -> int:
         print(_detail(body) or f"no live rank of run {args.run} on this agent", file=sys.stderr)
         return 1
     live = int(reply.get("live_ranks", 0))
-    print(f"{args.action} queued for run {args.run} (id {reply['id']}; {live} live rank{'' if live == 1 else 's'})")
+    how = "already queued" if reply.get("coalesced") else "queued"  # one not yet acted on stands for this one
+    print(f"{args.action} {how} for run {args.run} (id {reply['id']}; {live} live rank{'' if live == 1 else 's'})")
     return 0
 
 

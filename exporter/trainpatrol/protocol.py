@@ -185,6 +185,8 @@ class Command(BaseModel):
     id: int = Field(ge=1, lt=2**31)
     """Same on every agent for the same request (derived from the alert), so ranks dedupe."""
     run: str = Field(pattern=RUN_PATTERN)
+    namespace: str = Field(default="", pattern=DNS_LABEL)
+    """The run's namespace: (namespace, run) names a run."""
     action: Action
     reason: str = ""
     source: str = "api"

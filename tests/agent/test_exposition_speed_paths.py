@@ -143,7 +143,7 @@ def test_an_expired_rank_disappears_and_leaves_the_cache() -> None:
     clock.now = T0 + EXPIRE + 0.001  # rank 1 has been silent for longer than EXPIRE, rank 0 has not
     body = ranks.body()
     assert 'rank="1"' not in body and liveness(body, 0)[0] == "0.0"
-    assert set(ranks.collector._layouts) == {("r1", 0)}
+    assert set(ranks.collector._layouts) == {("", "r1", 0)}
     clock.now = T0 + EXPIRE / 2 + EXPIRE + 0.001
     assert [ln for ln in ranks.body().splitlines() if not ln.startswith("#")] == []
     assert ranks.collector._layouts == {}
@@ -223,7 +223,7 @@ def test_agent_counters_are_formatted_again_only_when_they_change() -> None:
     stats.count("pushes", "ok")
     stats.count("commands", ("pause", 'odd "source" \\ \n'))
     after = stats.collect()
-    assert [a is b for a, b in zip(first, after, strict=True)] == [True, False, True, True, False]
+    assert [a is b for a, b in zip(first, after, strict=True)] == [True, False, True, True, False, True]
     served = exposition(registry)
     assert served == generate_latest(registry)
     assert b'trainpatrol_pushes_total{outcome="ok"} 1.0' in served

@@ -173,7 +173,7 @@ def test_metrics_endpoint_serves_pushes_laid_out_at_push_time() -> None:
         body = {"run": "r1", "rank": rank, "world_size": 2, "step": step,
                 "samples": [{"name": "trainpatrol_step_total", "labels": {}, "value": step}]}
         assert client.post("/v1/push", json=body, headers={"Authorization": "Bearer t"}).status_code == 200
-    assert set(agent_.ranks._layouts) == {("r1", 0), ("r1", 1)}  # laid out as they arrived
+    assert set(agent_.ranks._layouts) == {("", "r1", 0), ("", "r1", 1)}  # laid out as they arrived
 
     def stable(body: bytes) -> list[str]:  # the collectors' own timings differ from call to call
         return [ln for ln in body.decode().splitlines() if "collector_duration_seconds{" not in ln]
@@ -264,7 +264,7 @@ def test_command_queues_expire_with_their_ttl() -> None:
 
     clock = Clock(T0)
     store, _ = store_and_registry(clock)
-    assert store.enqueue(Command(id=5, run="never-started", action="pause", created=T0))
+    assert store.enqueue(Command(id=5, run="never-started", action="pause", created=T0))[0] == "queued"
     assert [c.id for c in store.pending("never-started")] == [5]
     clock.now = T0 + COMMAND_TTL_SECONDS + 1
     store.expire()

@@ -223,19 +223,20 @@ def test_an_agent_without_the_stream_is_told_apart() -> None:
 def test_a_burst_of_lines_lets_a_waiting_scrape_in_every_few_lines() -> None:
     import asyncio
 
+    from trainpatrol.agent.auth import EVERY, PushProof
     from trainpatrol.agent.push_stream import PushStream as AgentStream
     from trainpatrol.agent.push_stream import _Stream
     from trainpatrol.collectors.agent_self import AgentStats
 
     order: list[Any] = []
-    handler = AgentStream(accept=lambda s, _: order.append(s.rank) or [], stats=AgentStats("agent"),
+    handler = AgentStream(accept=lambda s, _, __: order.append(s.rank) or [], stats=AgentStats("agent"),
                           max_line=1_000_000, idle_seconds=60.0)
 
     async def sent(message: Any) -> None:
         pass
 
     async def main() -> None:
-        stream = _Stream(sent)
+        stream = _Stream(sent, PushProof(EVERY, b""))
         handler.open_streams = 1
         for rank in range(20):  # a burst: the batch starts at once and takes every line queued meanwhile
             handler._enqueue(stream, json.dumps(snap(rank=rank, world_size=64)).encode(), rank + 1)
@@ -251,13 +252,14 @@ def test_a_burst_of_lines_lets_a_waiting_scrape_in_every_few_lines() -> None:
 def test_a_batch_starts_once_every_open_stream_has_a_line_or_after_the_batch_time() -> None:
     import asyncio
 
+    from trainpatrol.agent.auth import EVERY, PushProof
     from trainpatrol.agent.push_stream import PushStream as AgentStream
     from trainpatrol.agent.push_stream import _Stream
     from trainpatrol.collectors.agent_self import AgentStats
 
     handled: list[tuple[int, float]] = []
-    handler = AgentStream(accept=lambda s, _: handled.append((s.rank, loop.time())) or [], stats=AgentStats("agent"),
-                          max_line=1_000_000, idle_seconds=60.0, batch_seconds=0.2)
+    handler = AgentStream(accept=lambda s, _, __: handled.append((s.rank, loop.time())) or [],
+                          stats=AgentStats("agent"), max_line=1_000_000, idle_seconds=60.0, batch_seconds=0.2)
 
     async def sent(message: Any) -> None:
         pass
@@ -267,7 +269,7 @@ def test_a_batch_starts_once_every_open_stream_has_a_line_or_after_the_batch_tim
             await asyncio.sleep(0.005)
 
     async def main() -> float:
-        streams = [_Stream(sent) for _ in range(3)]
+        streams = [_Stream(sent, PushProof(EVERY, b"")) for _ in range(3)]
         handler.open_streams = 3
         for rank, stream in enumerate(streams):
             handler._enqueue(stream, json.dumps(snap(rank=rank, world_size=64)).encode(), 1)

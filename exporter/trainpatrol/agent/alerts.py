@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..protocol import RUN_PATTERN, Command
+from ..protocol import DNS_LABEL, RUN_PATTERN, Command
 
 
 class Alert(BaseModel):
@@ -43,7 +43,8 @@ def command_id(alert: Alert) -> int:
 
 def to_command(alert: Alert, now: float) -> Command:
     return Command(
-        id=command_id(alert), run=alert.labels["run"], action=alert.labels["action"],  # type: ignore[arg-type]
+        id=command_id(alert), run=alert.labels["run"], namespace=alert.labels.get("namespace", ""),
+        action=alert.labels["action"],  # type: ignore[arg-type]
         reason=alert.annotations.get("summary", alert.labels.get("alertname", "")),
         source=f"alertmanager:{alert.labels.get('alertname', '?')}", created=now,
         alert=alert.model_dump(),
@@ -72,7 +73,7 @@ class Deduper:
 
 
 def classify(alert: Alert, allowed: tuple[str, ...]) -> str:
-    """One of: resolved, no_action, no_run, forbidden, bad_run, act."""
+    """One of: resolved, no_action, no_run, forbidden, bad_run, bad_namespace, act."""
     import re
 
     if alert.status == "resolved":
@@ -87,4 +88,6 @@ def classify(alert: Alert, allowed: tuple[str, ...]) -> str:
         return "no_run"
     if not re.match(RUN_PATTERN, run):
         return "bad_run"
+    if not re.match(DNS_LABEL, alert.labels.get("namespace", "")):
+        return "bad_namespace"
     return "act"

@@ -7,7 +7,12 @@ closed, stopped or went down ("no live rank of run RUN on this agent"); nothing 
 webhook applies the same rule alert by alert, but answers 2xx (Alertmanager re-sends on 5xx and after
 a 4xx): that alert's outcome is ``no_live_rank``, with the same message, and it is counted in
 ``trainpatrol_webhook_alerts_total{outcome="no_live_rank"}``. Alerts for runs this agent does not
-host still go to the peer that does, when peers are configured (agent.router).
+host still go to the peer that does, when peers are configured (agent.router; agent.webhook).
+
+A run is (namespace, run): ``/v1/namespaces/{namespace}/runs/{run}/...``, and ``/v1/runs/{run}/...``
+for the empty namespace. A command of an action that a queued one no rank acted on yet already asks
+for is coalesced into it (202, its id); checkpoints and captures past the run's per-minute limit get
+429. A push speaks only for the run whose key it proves (agent.run_keys); docs/security.md.
 """
 
 from __future__ import annotations
@@ -33,13 +38,17 @@ from ..collectors.agent_self import AgentStats
 from ..collectors.health import CollectorSet, Collects
 from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
-from ..protocol import RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot
-from .alerts import Deduper, WebhookPayload, classify, to_command
-from .auth import require_control, require_push
+from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot
+from .alerts import Deduper, WebhookPayload
+from .auth import PUSH_REFUSED, PushProof, push_scope, require_control
 from .config import AgentConfig
 from .hotpath import HotPaths
+from .push_stream import PushRefused
+from .refusals import no_live_rank, rate_limited
 from .router import FORWARDED_HEADER, Router
-from .store import RankStore
+from .run_keys import RUN_KEY_HEADER, digest
+from .store import Enqueued, RankStore, WrongRunKey
+from .webhook import Webhooks
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +65,12 @@ class ActionAccepted(BaseModel):
 
     accepted: bool
     id: int
+    """The command the ranks will carry out: an earlier one of the same action when ``coalesced``."""
     run: str
+    namespace: str = ""
     action: str
+    coalesced: bool = False
+    """A command of the same action that no rank has acted on yet was queued before: it stands for this one."""
     hosted: bool
     """Some rank of the run has pushed to this agent (always true when accepted)."""
     live: bool
@@ -69,6 +82,7 @@ class NoLiveRank(Problem):
     """404 or 409 from the actions route: no rank of the run could carry the command out."""
 
     run: str
+    namespace: str = ""
     live: bool = False
     live_ranks: int = 0
     state: str
@@ -76,16 +90,13 @@ class NoLiveRank(Problem):
 
 
 _PROBLEMS = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or wrong",
-             403: "Action not in the allow-list", 404: "Unknown run", 413: "Request body too large",
-             422: "Malformed request"}
+             403: "Action not in the allow-list, or a namespace the token does not reach", 404: "Unknown run",
+             413: "Request body too large", 422: "Malformed request",
+             429: "The run's actions of this kind per minute are used up (Retry-After)",
+             503: "An alert for a run on a peer could not be delivered; Alertmanager re-sends it"}
 _NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
     404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
     409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
-
-
-def no_live_rank(run: str) -> str:
-    """The refusal of a command that no rank of ``run`` could carry out (the CLI prints it as it is)."""
-    return f"no live rank of run {run} on this agent"
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -134,7 +145,7 @@ class Agent:
         self.config = config
         self.clock = clock
         self.store = RankStore(config.rank_up_ttl_seconds, config.rank_expire_seconds,
-                               config.closed_expire_seconds, clock)
+                               config.closed_expire_seconds, clock, action_limits=config.action_rate_limits)
         self.stats = AgentStats(config.mode)
         self.nvml = nvml
         self.ranks = RankCollector(self.store)
@@ -148,12 +159,13 @@ class Agent:
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=200)
+        self.webhooks = Webhooks(self)
         self.api = self._build()
         self._scraped = False
         """A scrape came since the last batch of stream lines."""
         self.last_push = time.monotonic()
         """When a rank last pushed (or the agent started): scrapes and API calls do not keep an idle agent up."""
-        self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
+        self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, config=config,
                             max_body=config.max_push_bytes, metrics=self.metrics,
                             health=self._health, stream_idle_seconds=config.rank_expire_seconds,
                             after_batch=self._after_batch)
@@ -171,10 +183,19 @@ class Agent:
             self._scraped = False
             self.collectors.body()
 
-    def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None = None) -> list[Command]:
-        """Store a valid, authorised push and lay out its series; returns the commands for its reply.
-        ``same_series_as``: a snapshot known to have the same series (a delta line's base)."""
-        commands = self.store.push(snapshot)
+    def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None,
+                    proof: PushProof) -> list[Command]:
+        """Store a valid push that ``proof`` allows and lay out its series; returns the commands for its
+        reply. ``same_series_as``: a snapshot known to have the same series (a delta line's base).
+        Raises ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key."""
+        if not proof.scope.allows(snapshot.namespace):
+            self.stats.count("pushes", "wrong_namespace")
+            raise PushRefused(f"The token does not reach namespace {snapshot.namespace!r}.")
+        try:
+            commands = self.store.push(snapshot, proof.key)
+        except WrongRunKey as exc:
+            self.stats.count("pushes", "wrong_run_key")
+            raise PushRefused(str(exc)) from None
         self.last_push = time.monotonic()
         self.ranks.prepare(snapshot, same_series_as)
         self.stats.count("pushes", "ok")
@@ -187,13 +208,15 @@ class Agent:
     def _health(self) -> dict[str, Any]:
         return {"status": "ok", "mode": self.config.mode, "version": __version__}
 
-    def enqueue(self, command: Command) -> bool:
-        fresh = self.store.enqueue(command)
-        if fresh:
+    def enqueue(self, command: Command) -> tuple[Enqueued, Command]:
+        outcome, standing = self.store.enqueue(command)
+        if outcome == "queued":
             self.stats.count("commands", (command.action, command.source.split(":")[0]))
-            log.info("queued %s for run %s (id %d, %s): %s", command.action, command.run, command.id,
-                     command.source, command.reason)
-        return fresh
+            log.info("queued %s for run %s/%s (id %d, %s): %s", command.action, command.namespace, command.run,
+                     command.id, command.source, command.reason)
+        elif outcome in ("coalesced", "rate_limited"):
+            self.stats.count("refused", (command.action, outcome))
+        return outcome, standing
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="trainpatrol agent", version=__version__,
@@ -225,89 +248,89 @@ class Agent:
             return Response(self.metrics(), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/v1/push", response_model=PushReply, summary="One rank's snapshot",
-                  responses=_errors(400, 401, 413, 422))
+                  responses=_errors(400, 401, 403, 413, 422))
         async def push(request: Request, snapshot: RankSnapshot) -> PushReply:
-            try:
-                require_push(request, cfg.token)
-            except HTTPException:
+            host = request.client.host if request.client is not None else None
+            scope = push_scope(host, request.headers.get("authorization", ""), cfg)
+            if scope is None:
                 self.stats.count("pushes", "unauthorized")
-                raise
-            return PushReply(commands=self.accept_push(snapshot))
+                raise HTTPException(401, PUSH_REFUSED, headers={"WWW-Authenticate": "Bearer"})
+            try:
+                proof = PushProof(scope, digest(request.headers.get(RUN_KEY_HEADER, "")))
+                return PushReply(commands=self.accept_push(snapshot, None, proof))
+            except PushRefused as exc:
+                raise HTTPException(403, exc.detail) from None
 
         @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action")
         def runs() -> dict[str, Any]:
-            return {"runs": list(self.store.runs().values())}
+            return {"runs": self.store.all_runs()}
 
-        @app.get("/v1/runs/{run}", summary="One run's state, ranks, last action and checkpoint",
-                 responses=_errors(404, 422))
-        def run_status(run: str) -> dict[str, Any]:
-            status = self.store.runs().get(run)
+        def status_of(namespace: str, run: str) -> dict[str, Any]:
+            status = self.store.runs(namespace).get(run)
             if status is None:
-                raise HTTPException(404, f"Run {run!r} is not hosted by this agent.")
+                where = f" in namespace {namespace!r}" if namespace else ""
+                raise HTTPException(404, f"Run {run!r}{where} is not hosted by this agent.")
             return status
 
-        @app.post("/v1/runs/{run}/actions", status_code=202, summary="Ask every rank of a run to act",
-                  response_model=ActionAccepted, responses={**_errors(400, 401, 403, 413, 422), **_NO_LIVE_RANK})
-        def act(request: Request, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
-            require_control(request, cfg.token)
+        @app.get("/v1/runs/{run}", summary="One run's state, ranks, last action and checkpoint (empty namespace)",
+                 responses=_errors(404, 422))
+        def run_status(run: str) -> dict[str, Any]:
+            return status_of("", run)
+
+        @app.get("/v1/namespaces/{namespace}/runs/{run}", summary="One run of a namespace: state, ranks, last action",
+                 responses=_errors(404, 422))
+        def namespaced_run_status(namespace: str, run: str) -> dict[str, Any]:
+            return status_of(namespace, run)
+
+        def act(request: Request, namespace: str, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
+            scope = require_control(request, cfg)
             import re
 
             if not re.match(RUN_PATTERN, run):
                 raise HTTPException(422, f"Run name {run!r} is not valid; expected {RUN_PATTERN}.")
+            if not re.match(DNS_LABEL, namespace):
+                raise HTTPException(422, f"Namespace {namespace!r} is not valid; expected a DNS label.")
+            if not scope.allows(namespace):
+                raise HTTPException(403, f"The token does not reach namespace {namespace!r}.")
             if body.action != "resume" and body.action not in cfg.allowed_actions:
                 raise HTTPException(403, f"Action {body.action!r} is not in the allow-list "
                                          f"({', '.join(cfg.allowed_actions)}).")
-            live = self.store.live_ranks(run)
+            live = self.store.live_ranks(run, namespace)
             if not live:  # a queued command would wait for a rank that never comes: say so
-                state = self.store.run_status(run)["state"] if self.store.hosts_run(run) else "unknown"
-                refusal = NoLiveRank(detail=no_live_rank(run), run=run, state=state)
+                hosted = self.store.hosts_run(run, namespace)
+                state = self.store.run_status(run, namespace=namespace)["state"] if hosted else "unknown"
+                refusal = NoLiveRank(detail=no_live_rank(run, namespace), run=run, namespace=namespace, state=state)
                 return JSONResponse(refusal.model_dump(exclude={"errors"}),
                                     status_code=404 if state == "unknown" else 409)
-            command = Command(id=secrets.randbelow(2**31 - 2) + 1, run=run, action=body.action,
+            command = Command(id=secrets.randbelow(2**31 - 2) + 1, run=run, namespace=namespace, action=body.action,
                               reason=body.reason, source="api", created=self.clock())
-            self.enqueue(command)
-            return ActionAccepted(accepted=True, id=command.id, run=run, action=body.action, hosted=True,
-                                  live=True, live_ranks=live)
+            outcome, standing = self.enqueue(command)
+            if outcome == "rate_limited":
+                limit = cfg.action_rate_limits[body.action]
+                return JSONResponse({"detail": rate_limited(run, namespace, body.action, limit)}, status_code=429,
+                                    headers={"Retry-After": "60"})
+            return ActionAccepted(accepted=True, id=standing.id, run=run, namespace=namespace, action=body.action,
+                                  coalesced=outcome == "coalesced", hosted=True, live=True, live_ranks=live)
+
+        action_responses = {**_errors(400, 401, 403, 413, 422, 429), **_NO_LIVE_RANK}
+
+        @app.post("/v1/runs/{run}/actions", status_code=202, summary="Ask every rank of a run to act (empty namespace)",
+                  response_model=ActionAccepted, responses=action_responses)
+        def run_action(request: Request, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
+            return act(request, "", run, body)
+
+        @app.post("/v1/namespaces/{namespace}/runs/{run}/actions", status_code=202,
+                  summary="Ask every rank of a run of a namespace to act", response_model=ActionAccepted,
+                  responses=action_responses)
+        def namespaced_run_action(request: Request, namespace: str, run: str,
+                                  body: ActionRequest) -> ActionAccepted | JSONResponse:
+            return act(request, namespace, run, body)
 
         @app.post("/v1/alertmanager", status_code=202, summary="Alertmanager webhook (payload version 4)",
-                  responses=_errors(400, 401, 403, 413, 422))
+                  responses=_errors(400, 401, 403, 413, 422, 503))
         def webhook(request: Request, payload: WebhookPayload = Body(...)) -> JSONResponse:  # noqa: B008
-            require_control(request, cfg.token)
-            forwarded = request.headers.get(FORWARDED_HEADER) == "1"
-            results, refused, remote = [], [], []
-            for alert in payload.alerts:
-                kind = classify(alert, cfg.allowed_actions)
-                fresh = self.dedupe.first_time(alert)
-                name = alert.labels.get("alertname", "?")
-                detail = ""
-                if not fresh:
-                    kind = "duplicate"
-                elif kind == "act":
-                    command = to_command(alert, self.clock())
-                    if not (self.store.hosts_run(command.run) or forwarded or not (cfg.peers or cfg.peers_dns)):
-                        kind = "forwarded"  # the router's case: a peer hosts the run
-                        remote.append(alert)
-                    elif self.store.live_ranks(command.run):
-                        self.enqueue(command)
-                    else:  # a queued command would wait for a rank that never comes
-                        kind, detail = "no_live_rank", no_live_rank(command.run)
-                        self.dedupe.forget(alert)  # not acted on: a re-send once a rank is live acts
-                elif kind == "forbidden":
-                    refused.append(f"{name}: action {alert.labels.get('action')!r}")
-                self.stats.count("alerts", kind)
-                record = {"alertname": name, "fingerprint": alert.fingerprint, "startsAt": alert.startsAt,
-                          "status": alert.status, "run": alert.labels.get("run", ""),
-                          "action": alert.labels.get("action", ""), "outcome": kind, "received": self.clock()}
-                if detail:
-                    record["detail"] = detail
-                self.alert_log.append(record)
-                results.append(record)
-            if remote:
-                self.router.forward(remote, payload.model_dump(exclude={"alerts"}))
-            if refused:
-                return JSONResponse({"detail": "Action not in the allow-list: " + "; ".join(refused),
-                                     "results": results}, status_code=403)
-            return JSONResponse({"accepted": True, "results": results}, status_code=202)
+            scope = require_control(request, cfg)
+            return self.webhooks.handle(payload, scope, forwarded=request.headers.get(FORWARDED_HEADER) == "1")
 
         @app.get("/v1/alerts", summary="Recently received alerts and what was done with them")
         def alerts() -> dict[str, Any]:

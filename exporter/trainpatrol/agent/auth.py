@@ -1,12 +1,37 @@
-"""Bearer-token checks: constant-time comparison, loopback exemption for pushes only."""
+"""Bearer-token checks: constant-time comparison, namespace scopes, loopback exemption for pushes only.
+
+The agent token reaches every namespace; a ``namespace_tokens`` entry reaches its namespace alone.
+Who may push into a run is decided apart from this, by the run's key (agent.run_keys)."""
 
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from .config import is_loopback
+from .config import AgentConfig, is_loopback
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The namespaces a caller may act on or push into; ``None``: every one."""
+
+    namespaces: frozenset[str] | None = None
+
+    def allows(self, namespace: str) -> bool:
+        return self.namespaces is None or namespace in self.namespaces
+
+
+EVERY = Scope()
+
+
+@dataclass(frozen=True)
+class PushProof:
+    """What a push request showed: the namespaces its token reaches, and the digest of its run key."""
+
+    scope: Scope
+    key: bytes
 
 
 def bearer(authorization: str) -> str:
@@ -23,31 +48,39 @@ def token_ok(expected: str, presented: str) -> bool:
     return bool(expected) and hmac.compare_digest(expected.encode(), presented.encode())
 
 
+def scope_of(config: AgentConfig, presented: str) -> Scope | None:
+    """What a presented token reaches, or None for no valid token. Every entry is compared, so the
+    time taken does not tell which one matched."""
+    every = token_ok(config.token, presented)
+    namespaces = frozenset(ns for ns, token in config.namespace_tokens.items() if token_ok(token, presented))
+    if every:
+        return EVERY
+    return Scope(namespaces) if namespaces else None
+
+
 def client_is_loopback(request: Request) -> bool:
     return request.client is not None and is_loopback(request.client.host)
 
 
-def require_control(request: Request, expected: str) -> None:
-    """Control and webhooks: the token when one is configured, else loopback callers only."""
-    if expected:
-        if not token_ok(expected, _presented(request)):
+def require_control(request: Request, config: AgentConfig) -> Scope:
+    """Control and webhooks: a token when one is configured, else loopback callers only."""
+    if config.token or config.namespace_tokens:
+        scope = scope_of(config, _presented(request))
+        if scope is None:
             raise HTTPException(401, "Missing or wrong bearer token.", headers={"WWW-Authenticate": "Bearer"})
-    elif not client_is_loopback(request):
+        return scope
+    if not client_is_loopback(request):
         raise HTTPException(401, "No token is configured, so only loopback callers may use the control API.")
+    return EVERY
 
 
-PUSH_REFUSED = "Pushes from other hosts must carry the bearer token."
+PUSH_REFUSED = "Pushes from other hosts must carry the bearer token; a token that is sent must be right."
 
 
-def push_allowed(client_host: str | None, authorization: str, expected: str) -> bool:
-    """Pushes come from loopback without a token, or carry the right one."""
+def push_scope(client_host: str | None, authorization: str, config: AgentConfig) -> Scope | None:
+    """Pushes come from loopback without a token, or carry a right one (a wrong one is refused from
+    loopback too); None when refused."""
     presented = bearer(authorization)
     if client_host is not None and is_loopback(client_host) and not presented:
-        return True
-    return token_ok(expected, presented)
-
-
-def require_push(request: Request, expected: str) -> None:
-    host = request.client.host if request.client is not None else None
-    if not push_allowed(host, request.headers.get("authorization", ""), expected):
-        raise HTTPException(401, PUSH_REFUSED, headers={"WWW-Authenticate": "Bearer"})
+        return EVERY
+    return scope_of(config, presented)

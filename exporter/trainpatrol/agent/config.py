@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
 from ..control.actions import ACTIONS
+from ..protocol import DNS_LABEL
 
 Mode = Literal["agent", "router"]
 
@@ -19,6 +21,8 @@ EMBEDDED_IDLE_SECONDS = 60.0
 """An embedded agent (probe.embedded) exits when no rank has pushed for this long; it outlives a pause,
 since a paused rank keeps pushing, and a run restarted within it finds the same agent."""
 DEFAULT_ALLOWED_ACTIONS = ("checkpoint", "pause", "capture", "empty_cache", "stop")
+DEFAULT_ACTION_RATE_LIMITS = {"checkpoint": 2, "capture": 4}
+"""Per run and minute: sized for a few runs sharing a node's disk and CPU."""
 
 
 class ConfigError(ValueError):
@@ -33,6 +37,15 @@ class AgentConfig:
     token: str = ""
     """Bearer token for the control API, webhooks and non-loopback pushes. Empty: loopback only."""
     token_file: str = ""
+    namespace_tokens: dict[str, str] = field(default_factory=dict)
+    """Tokens that reach one namespace each (``{namespace: token}``; TRAINPATROL_NAMESPACE_TOKENS is
+    ``ns=token,...``): control, webhooks and non-loopback pushes for runs of that namespace only."""
+    namespace_tokens_file: str = ""
+    """A file of ``namespace=token`` lines, read by ``load``, adding to ``namespace_tokens``."""
+    action_rate_limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_ACTION_RATE_LIMITS))
+    """At most this many commands of an action per run in any 60 s (TRAINPATROL_ACTION_RATE_LIMITS is
+    ``action=n,...``); actions not named are not limited. Each one writes a checkpoint or an evidence
+    bundle on every rank, so an alert storm must not turn into a storm of them."""
     allowed_actions: tuple[str, ...] = DEFAULT_ALLOWED_ACTIONS
     """Actions an Alertmanager webhook or the HTTP API may ask for. ``resume`` always needs the API."""
     rank_up_ttl_seconds: float = 15.0
@@ -81,6 +94,17 @@ class AgentConfig:
                 self.token = Path(self.token_file).read_text().strip()
             except OSError as exc:
                 raise ConfigError(f"Config 'token_file' has value {self.token_file!r}: {exc}.") from exc
+        if self.namespace_tokens_file:
+            self.namespace_tokens = {**_read_pairs("namespace_tokens_file", self.namespace_tokens_file),
+                                     **self.namespace_tokens}
+        for namespace, token in self.namespace_tokens.items():
+            if not namespace or not re.match(DNS_LABEL, namespace) or not token:
+                raise ConfigError(f"Config 'namespace_tokens' has entry {namespace!r}. Expected a namespace "
+                                  "(a DNS label) with a non-empty token.")
+        for action, limit in self.action_rate_limits.items():
+            if action not in ACTIONS or not isinstance(limit, int) or limit < 0:
+                raise ConfigError(f"Config 'action_rate_limits' has entry {action}={limit!r}. Expected an action "
+                                  "and a count per minute of 0 or more.")
         if not self.token and not is_loopback(self.host):
             raise ConfigError(
                 f"Config 'host' has value {self.host!r}, which is not loopback, and no token is set. "
@@ -110,6 +134,9 @@ def _parse(name: str, type_name: str, raw: str) -> object:
             if low in ("0", "false", "no", "off", ""):
                 return False
             raise ValueError(raw)
+        if "dict" in type_name:
+            pairs = dict(_pair(p) for p in raw.split(",") if p.strip())
+            return {k: int(v) for k, v in pairs.items()} if "int" in type_name else pairs
         if "tuple" in type_name:
             return tuple(p.strip() for p in raw.split(",") if p.strip())
         if type_name == "int":
@@ -119,6 +146,21 @@ def _parse(name: str, type_name: str, raw: str) -> object:
     except ValueError:
         raise ConfigError(f"Config 'TRAINPATROL_{name.upper()}' has value {raw!r}. Not a valid {type_name}.") from None
     return raw
+
+
+def _pair(entry: str) -> tuple[str, str]:
+    key, sep, value = entry.partition("=")
+    if not sep:
+        raise ValueError(entry)
+    return key.strip(), value.strip()
+
+
+def _read_pairs(name: str, path: str) -> dict[str, str]:
+    try:
+        lines = Path(path).read_text().splitlines()
+        return dict(_pair(line) for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"Config {name!r} has value {path!r}: {exc}. Expected namespace=token lines.") from exc
 
 
 def is_loopback(host: str) -> bool:

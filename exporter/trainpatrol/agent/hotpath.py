@@ -5,10 +5,11 @@ routing, dependency solving and response models cost more CPU than the work itse
 ``HotPaths`` answers ``POST /v1/push``, ``POST /v1/push/stream`` (agent.push_stream), ``GET /metrics``
 and ``GET /healthz`` directly and hands everything else to the FastAPI app, which still documents
 these routes in its OpenAPI schema.
-Answers are those FastAPI gave: 413 over the body limit, 401 without the token, 422 with the
-validation errors under ``body``. One difference: the token is checked before the body is parsed.
+Answers are those FastAPI gave: 413 over the body limit, 401 without the token, 403 for a run bound
+to another key (agent.run_keys), 422 with the validation errors under ``body``. One difference: the
+token is checked before the body is parsed.
 
-Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, too_large).
+Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, wrong_namespace, wrong_run_key, too_large).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..collectors.agent_self import AgentStats
 from ..protocol import PushReply, RankSnapshot
-from .auth import PUSH_REFUSED, push_allowed
+from .auth import PUSH_REFUSED, PushProof, push_scope
+from .config import AgentConfig
 from .problems import too_large, validation_problem
-from .push_stream import NDJSON, Accept, PushStream
+from .push_stream import NDJSON, Accept, PushRefused, PushStream
+from .run_keys import RUN_KEY_HEADER, digest
 
 JSON = b"application/json"
 _EMPTY_REPLY = PushReply().model_dump_json().encode()
@@ -41,12 +44,12 @@ class HotPaths:
     """ASGI middleware: pushes, scrapes and health checks without the framework's per-request cost."""
 
     def __init__(self, app: ASGIApp, *, accept: Accept, stats: AgentStats,
-                 token: str, max_body: int, metrics: Callable[[], bytes],
+                 config: AgentConfig, max_body: int, metrics: Callable[[], bytes],
                  health: Callable[[], dict[str, Any]], stream_idle_seconds: float,
                  after_batch: Callable[[], None] = lambda: None) -> None:
         self.app = app
         self.accept, self.stats = accept, stats
-        self.token, self.max_body = token, max_body
+        self.config, self.max_body = config, max_body
         self.metrics, self.health = metrics, health
         self.stream = PushStream(accept=accept, stats=stats, max_line=max_body, idle_seconds=stream_idle_seconds,
                                  after_batch=after_batch)
@@ -59,9 +62,9 @@ class HotPaths:
                 return
             if path == "/v1/push/stream" and method == "POST":
                 headers = dict(scope["headers"])
-                if await self._refused(scope, headers, send, (NDJSON, JSON)):
-                    return
-                await self.stream.serve(receive, send)
+                proof = await self._proof(scope, headers, send, (NDJSON, JSON))
+                if proof is not None:
+                    await self.stream.serve(receive, send, proof)
                 return
             if path == "/metrics" and method == "GET":
                 await _answer(send, 200, self.metrics(), CONTENT_TYPE_LATEST.encode())
@@ -79,7 +82,8 @@ class HotPaths:
             self.stats.count("pushes", "too_large")
             await _problem(send, 413, exc.detail)
             return
-        if await self._refused(scope, headers, send, (JSON,)):
+        proof = await self._proof(scope, headers, send, (JSON,))
+        if proof is None:
             return
         try:
             snapshot = RankSnapshot.model_validate_json(body)
@@ -88,27 +92,33 @@ class HotPaths:
             problem = validation_problem(exc)
             await _problem(send, 422, problem["detail"], errors=problem["errors"])
             return
-        commands = self.accept(snapshot, None)
+        try:
+            commands = self.accept(snapshot, None, proof)
+        except PushRefused as exc:
+            await _problem(send, 403, exc.detail)
+            return
         reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
         await _answer(send, 200, reply, JSON)
 
-    async def _refused(self, scope: Scope, headers: dict[bytes, bytes], send: Send,
-                       content_types: tuple[bytes, ...]) -> bool:
-        """Answers 401 without the token (pushes from other hosts) or 422 for another Content-Type."""
+    async def _proof(self, scope: Scope, headers: dict[bytes, bytes], send: Send,
+                     content_types: tuple[bytes, ...]) -> PushProof | None:
+        """What the request proves; None once it is answered 401 without the token (pushes from
+        other hosts) or with a wrong one, or 422 for another Content-Type."""
         client = scope.get("client")
-        if not push_allowed(client[0] if client else None, headers.get(b"authorization", b"").decode("latin-1"),
-                            self.token):
+        allowed = push_scope(client[0] if client else None, headers.get(b"authorization", b"").decode("latin-1"),
+                             self.config)
+        if allowed is None:
             self.stats.count("pushes", "unauthorized")
             await _problem(send, 401, PUSH_REFUSED, [(b"www-authenticate", b"Bearer")])
-            return True
+            return None
         content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if content_type not in content_types:
             self.stats.count("pushes", "invalid")
             wanted = " or ".join(t.decode() for t in content_types)
             await _problem(send, 422, f"Invalid request: body: Content-Type must be {wanted}, "
                                       f"not {content_type.decode('latin-1')!r}.")
-            return True
-        return False
+            return None
+        return PushProof(allowed, digest(headers.get(RUN_KEY_HEADER.encode(), b"").decode("latin-1")))
 
     async def _body(self, length: bytes, receive: Receive) -> bytes:
         """The request body; ``BodyTooLarge`` by Content-Length or as a chunked body streams in."""

@@ -6,15 +6,16 @@ writes), more than the push itself; at 64 ranks that alone broke the 2 % CPU bud
 agent writes only when it has something to say. The answer is NDJSON, streamed:
 
 - ``{"run", "rank", "seq", "commands": [...]}`` after a snapshot whose run has commands for it;
-- ``{"line", "status", "detail"[, "errors"]}`` for a refused line (422 invalid, 413 too long);
-  the stream goes on with the next line;
+- ``{"line", "status", "detail"[, "errors"]}`` for a refused line (422 invalid, 413 too long, 403 a
+  run bound to another key or a namespace the token does not reach); the stream goes on with the next line;
 - ``{"accepted", "refused"}`` once the request body ends; then the answer ends.
 
 A line with ``changed`` instead of ``samples`` carries only the sample values that moved since the
 same rank's last line on the stream (protocol.SnapshotDelta); a Patrol sends a whole snapshot first
 and after any refusal. A plain POST with a Content-Length body of several lines is a finite stream
 and gets the same answer. A body that stops without a final newline still counts its last line.
-Lines are counted in ``trainpatrol_pushes_total{outcome}`` as single pushes are.
+Lines are counted in ``trainpatrol_pushes_total{outcome}`` as single pushes are. The request's
+headers prove the token and run key (agent.run_keys) for all of its lines.
 """
 
 from __future__ import annotations
@@ -31,13 +32,22 @@ from starlette.types import Receive, Send
 
 from ..collectors.agent_self import AgentStats
 from ..protocol import Command, RankSnapshot, SnapshotDelta
+from .auth import PushProof
 from .problems import validation_problem
 
 log = logging.getLogger(__name__)
 NDJSON = b"application/x-ndjson"
-Accept = Callable[[RankSnapshot, RankSnapshot | None], list[Command]]
+Accept = Callable[[RankSnapshot, RankSnapshot | None, PushProof], list[Command]]
 """Takes a valid snapshot in, given a snapshot known to have the same series (a delta's base) or
-None; returns the commands for the rank."""
+None, and what its request proved; returns the commands for the rank, or raises ``PushRefused``."""
+
+
+class PushRefused(Exception):
+    """A valid push that its proof does not allow (403)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
 MAX_RANKS_PER_STREAM = 1024
 """Ranks whose last snapshot a stream keeps as the base of their deltas (a Patrol sends one)."""
 
@@ -47,6 +57,7 @@ class _Stream:
     """One open stream: where its answers go, its counts, and its ranks' delta bases."""
 
     send: Send
+    proof: PushProof
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "refused": 0})
     bases: dict[tuple[str, int], RankSnapshot] = field(default_factory=dict)
     open: bool = True
@@ -76,10 +87,10 @@ class PushStream:
         self._handling = False
         self.open_streams = 0
 
-    async def serve(self, receive: Receive, send: Send) -> None:
+    async def serve(self, receive: Receive, send: Send, proof: PushProof) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", NDJSON), (b"cache-control", b"no-store")]})
-        stream = _Stream(send)
+        stream = _Stream(send, proof)
         pending, number, skipping, more = b"", 0, False, True
         idle = _IdleWatch(self.idle_seconds)
         self.open_streams += 1
@@ -178,11 +189,17 @@ class PushStream:
             stream.bases.clear()  # deltas after a refused line would build on the wrong base: whole lines first
             await self._reply(stream, {"line": number, "status": 422, **problem})
             return
+        try:
+            commands = self.accept(snapshot, like, stream.proof)
+        except PushRefused as exc:
+            stream.counts["refused"] += 1
+            stream.bases.pop(key, None)
+            await self._reply(stream, {"line": number, "status": 403, "detail": exc.detail})
+            return
         if key not in stream.bases and len(stream.bases) >= MAX_RANKS_PER_STREAM:
             stream.bases.pop(next(iter(stream.bases)))
         stream.bases[key] = snapshot
         stream.counts["accepted"] += 1
-        commands = self.accept(snapshot, like)
         if commands:
             await self._reply(stream, {"run": snapshot.run, "rank": snapshot.rank, "seq": snapshot.seq,
                                        "commands": [c.model_dump(mode="json") for c in commands]})

@@ -2,6 +2,7 @@
 
 Only known peers are used (a configured list, or the addresses a DNS name resolves to); forwarded
 payloads carry the token and a marker header, and a forwarded payload is never forwarded again.
+Delivery is synchronous, so the webhook can answer 5xx for an alert its peer did not take.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Router:
         self._config = config
         self._count = count
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="trainpatrol-router")
-        self._runs_cache: dict[str, tuple[float, list[str]]] = {}
+        self._runs_cache: dict[str, tuple[float, list[tuple[str, str]]]] = {}
         self._lock = threading.Lock()
 
     def peers(self) -> list[str]:
@@ -46,37 +47,56 @@ class Router:
         me = {host_port(address, port) for address in (self._config.host, *_own_addresses())}
         return [p for p in dict.fromkeys(peers) if p not in me]
 
-    def forward(self, alerts: list[Alert], payload: dict[str, object]) -> None:
-        """Pick a peer per alert and post asynchronously."""
-        self._pool.submit(self._forward_all, alerts, payload)
-
-    def _forward_all(self, alerts: list[Alert], payload: dict[str, object]) -> None:
+    def deliver(self, alerts: list[Alert], payload: dict[str, object]) -> list[str]:
+        """Posts each alert to the peer hosting its run, the peers in parallel, and waits: an alert
+        counts as handled only once its peer took it (DESIGN, Security model). Returns an outcome per
+        alert: ``forwarded``; ``forward_failed`` (the peer refused or did not answer, or a peer that
+        might host the run did not list its runs: Alertmanager must re-send); ``no_peer`` (every
+        peer answered, and none hosts the run)."""
         peers = self.peers()
-        by_peer: dict[str, list[Alert]] = {}
-        for alert in alerts:
-            targets = self._targets(alert, peers)
-            if not targets:
+        listings: dict[str, list[tuple[str, str]] | None] = {p: [] for p in peers}
+        if any(a.labels.get("instance", "") not in listings for a in alerts):  # some run must be looked up
+            listings = dict(zip(peers, self._pool.map(self._peer_runs, peers), strict=True))
+        outcomes: list[str] = []
+        by_peer: dict[str, list[int]] = {}
+        for i, alert in enumerate(alerts):
+            targets = self._targets(alert, listings)
+            if targets:
+                outcomes.append("forwarded")
+                for t in targets:
+                    by_peer.setdefault(t, []).append(i)
+            elif any(runs is None for runs in listings.values()):
+                self._count("failed")
+                outcomes.append("forward_failed")
+                log.warning("a peer did not list its runs: alert %s for run %r waits for a re-send",
+                            alert.fingerprint, alert.labels.get("run"))
+            else:
                 self._count("no_peer")
+                outcomes.append("no_peer")
                 log.warning("no known peer hosts run %r (alert %s)", alert.labels.get("run"), alert.fingerprint)
-            for t in targets:
-                by_peer.setdefault(t, []).append(alert)
-        for peer, subset in by_peer.items():
-            body = dict(payload, alerts=[a.model_dump() for a in subset])
+        posts = {peer: self._pool.submit(self._post, peer, dict(payload, alerts=[alerts[i].model_dump() for i in idx]))
+                 for peer, idx in by_peer.items()}
+        for peer, future in posts.items():
             try:
-                self._post(peer, body)
+                future.result()
                 self._count("ok")
             except Exception as exc:
                 self._count("failed")
-                log.warning("forwarding %d alert(s) to %s failed: %s", len(subset), peer, exc)
+                log.warning("forwarding %d alert(s) to %s failed: %s", len(by_peer[peer]), peer, exc)
+                for i in by_peer[peer]:
+                    outcomes[i] = "forward_failed"
+        return outcomes
 
-    def _targets(self, alert: Alert, peers: list[str]) -> list[str]:
+    def _targets(self, alert: Alert, listings: dict[str, list[tuple[str, str]] | None]) -> list[str]:
         instance = alert.labels.get("instance", "")
-        if instance in peers:
+        if instance in listings:
             return [instance]
-        run = alert.labels.get("run", "")
-        return [p for p in peers if run in self._peer_runs(p)]
+        run = (alert.labels.get("namespace", ""), alert.labels.get("run", ""))
+        return [p for p, runs in listings.items() if runs is not None and run in runs]
 
-    def _peer_runs(self, peer: str) -> list[str]:
+    def _peer_runs(self, peer: str) -> list[tuple[str, str]] | None:
+        """The (namespace, run) pairs a peer hosts; None when it did not answer (never cached: a peer
+        back up is asked again at once)."""
         now = time.monotonic()
         with self._lock:
             cached = self._runs_cache.get(peer)
@@ -85,10 +105,10 @@ class Router:
         try:
             req = urllib.request.Request(f"http://{peer}/v1/runs", headers=self._headers())
             with urllib.request.urlopen(req, timeout=2.0) as r:
-                runs = [str(x["run"]) for x in json.loads(r.read())["runs"]]
+                runs = [(str(x.get("namespace", "")), str(x["run"])) for x in json.loads(r.read())["runs"]]
         except Exception as exc:
             log.info("peer %s did not list its runs: %s", peer, exc)
-            runs = []
+            return None
         with self._lock:
             self._runs_cache[peer] = (now, runs)
         return runs

@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from ..protocol import ActionRecord, Command, RankSnapshot
+from .action_limits import ActionLimits
+from .run_keys import RunId, RunKeys
 
 COMMAND_TTL_SECONDS = 3600.0
 ENDED_STATES = ("closed", "stopped")
@@ -22,36 +24,53 @@ class RankEntry:
     last_step_advance: float
 
 
-@dataclass
-class RunCommands:
-    pending: list[Command] = field(default_factory=list)
+Enqueued = Literal["queued", "duplicate", "coalesced", "rate_limited"]
+
+
+class WrongRunKey(Exception):
+    """A push for a run whose key it does not carry (agent.run_keys)."""
+
+    def __init__(self, run: RunId) -> None:
+        where = f" in namespace {run[0]!r}" if run[0] else ""
+        super().__init__(f"Run {run[1]!r}{where} belongs to pushes that carry its run key; this push does not.")
+
+
+def run_id(snap: RankSnapshot | Command) -> RunId:
+    return (snap.namespace, snap.run)
 
 
 class RankStore:
-    """Thread-safe; the web handlers, the collector and the expiry all go through one lock."""
+    """Thread-safe; the web handlers, the collector and the expiry all go through one lock.
+    Runs are (namespace, run): the same run name in two namespaces is two runs."""
 
     def __init__(self, rank_up_ttl: float = 15.0, expire_after: float = 600.0, closed_expire_after: float = 60.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, action_limits: dict[str, int] | None = None) -> None:
         self.rank_up_ttl = rank_up_ttl
         self.expire_after = expire_after
         self.closed_expire_after = closed_expire_after
         self._clock = clock
         self._lock = threading.Lock()
-        self._ranks: dict[tuple[str, int], RankEntry] = {}
-        self._commands: dict[str, list[Command]] = {}
+        self._ranks: dict[tuple[str, str, int], RankEntry] = {}
+        self._commands: dict[RunId, list[Command]] = {}
+        self._keys = RunKeys()
+        self._limits = ActionLimits(action_limits or {})
         self._seen_commands: dict[int, float] = {}
         self._next_expiry = float("inf")
         """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
-        self._entries: tuple[RankEntry, ...] | None = None  # sorted by (run, rank); None after any change
+        self._entries: tuple[RankEntry, ...] | None = None  # sorted by (namespace, run, rank); None after any change
         self._up: tuple[tuple[RankEntry, ...], float, float, list[bool]] | None = None
         """The last ``up()``: for which entries, at what time, the oldest push of an up rank, the answer."""
 
     # --- pushes -------------------------------------------------------------------------------
-    def push(self, snap: RankSnapshot) -> list[Command]:
-        """Record a snapshot; return the run's commands this rank has not carried out yet."""
+    def push(self, snap: RankSnapshot, key_digest: bytes = b"") -> list[Command]:
+        """Record a snapshot; return the run's commands this rank has not carried out yet.
+        Raises ``WrongRunKey`` (and records nothing) when the run is bound to another key."""
         now = self._clock()
-        key = (snap.run, snap.rank)
+        run = run_id(snap)
+        key = (snap.namespace, snap.run, snap.rank)
         with self._lock:
+            if not self._keys.admit(run, key_digest, self._ended):
+                raise WrongRunKey(run)
             old = self._ranks.get(key)
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
@@ -59,33 +78,49 @@ class RankStore:
             self._entries = None
             entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
-            if not self._commands.get(snap.run):
+            if not self._commands.get(run):
                 return []  # the common case: nothing queued, so nothing to retire or hand out
             done = set(snap.done_commands)
-            ranks = [e.snapshot for (r, _), e in self._ranks.items() if r == snap.run]
+            ranks = self._run_snapshots(run)
             # a command every current rank has carried out is retired, so a restarted job never
             # receives it again
-            self._commands[snap.run] = [
-                c for c in self._commands.get(snap.run, [])
+            self._commands[run] = [
+                c for c in self._commands.get(run, [])
                 if now - c.created < COMMAND_TTL_SECONDS and not all(c.id in r.done_commands for r in ranks)
             ]
-            return [c for c in self._commands[snap.run] if c.id not in done]
+            return [c for c in self._commands[run] if c.id not in done]
 
-    def enqueue(self, command: Command) -> bool:
-        """Queue a command for a run; False if the same command id was queued before."""
+    def _ended(self, run: RunId) -> bool:
+        """Every rank of ``run`` closed or stopped (asked only of a push with another key)."""
+        return all(snap.state in ENDED_STATES for snap in self._run_snapshots(run))
+
+    def _run_snapshots(self, run: RunId) -> list[RankSnapshot]:
+        return [e.snapshot for (ns, r, _), e in self._ranks.items() if (ns, r) == run]
+
+    def enqueue(self, command: Command) -> tuple[Enqueued, Command]:
+        """Queue a command for its run. Returns the outcome and the command the ranks will carry out:
+        ``duplicate`` (this id was queued before), ``coalesced`` (a command of the same action that no
+        rank has acted on yet stands for it: one alert group of per-rank alerts made a checkpoint per
+        alert), ``rate_limited`` (the run's actions of this kind per minute are used up) or ``queued``."""
         with self._lock:
             if command.id in self._seen_commands:
-                return False
+                return "duplicate", command
+            run = run_id(command)
+            queue = self._commands.setdefault(run, [])
+            snaps = self._run_snapshots(run)  # no set of every rank's done ids: a storm of alerts comes here
+            same = next((c for c in queue if c.action == command.action
+                         and not any(c.id in snap.done_commands for snap in snaps)), None)
+            if same is not None:
+                return "coalesced", same
+            if not self._limits.take(run, command.action, self._clock()):
+                return "rate_limited", command
             self._seen_commands[command.id] = command.created
             if len(self._seen_commands) > 10000:
                 for cid in sorted(self._seen_commands, key=self._seen_commands.__getitem__)[:1000]:
                     del self._seen_commands[cid]
             self._next_expiry = min(self._next_expiry, command.created + COMMAND_TTL_SECONDS)
-            queue = self._commands.setdefault(command.run, [])
-            # a new command supersedes an older one the ranks have not acted on yet only when
-            # both are the same action; different actions all stay, ranks order them by priority
-            queue.append(command)
-            return True
+            queue.append(command)  # different actions all stay: ranks order them by priority
+            return "queued", command
 
     # --- reads --------------------------------------------------------------------------------
     def _deadline(self, e: RankEntry) -> float:
@@ -104,6 +139,8 @@ class RankStore:
                 if now > self._deadline(e):
                     del self._ranks[key]
                     self._entries = None
+            self._keys.keep_only({(ns, r) for ns, r, _ in self._ranks})  # a key lives as long as its run's series
+            self._limits.expire(now)
             for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
                 kept = [c for c in queue if now - c.created < COMMAND_TTL_SECONDS]
                 if kept:
@@ -115,7 +152,7 @@ class RankStore:
                                     default=float("inf"))
 
     def entries(self) -> tuple[RankEntry, ...]:
-        """Every rank, sorted by (run, rank): the very same tuple until a push or an expiry changes it
+        """Every rank, sorted by (namespace, run, rank): the very same tuple until a push or an expiry changes it
         (scrapes come several times between two batches of pushes)."""
         self.expire()
         with self._lock:
@@ -130,9 +167,9 @@ class RankStore:
         """The rank can still carry out a command: up, and neither closed nor stopped."""
         return entry.snapshot.state not in ENDED_STATES and self.is_up(entry)
 
-    def live_ranks(self, run: str) -> int:
+    def live_ranks(self, run: str, namespace: str = "") -> int:
         """How many ranks of ``run`` are live on this agent."""
-        return sum(1 for e in self.entries() if e.snapshot.run == run and self.is_live(e))
+        return sum(1 for e in self.entries() if run_id(e.snapshot) == (namespace, run) and self.is_live(e))
 
     def up(self, entries: tuple[RankEntry, ...]) -> list[bool]:
         """``is_up`` of each entry, at one reading of the clock. Every scrape asks for all of them:
@@ -147,27 +184,32 @@ class RankStore:
         self._up = (entries, now, oldest, ups)
         return ups
 
-    def hosts_run(self, run: str) -> bool:
-        return any(e.snapshot.run == run for e in self.entries())
+    def hosts_run(self, run: str, namespace: str = "") -> bool:
+        return any(run_id(e.snapshot) == (namespace, run) for e in self.entries())
 
     def pid_to_rank(self) -> dict[int, tuple[str, str]]:
         return {e.snapshot.pid: (e.snapshot.run, str(e.snapshot.rank)) for e in self.entries() if e.snapshot.pid}
 
-    def pending(self, run: str) -> list[Command]:
+    def pending(self, run: str, namespace: str = "") -> list[Command]:
         """Commands some rank of ``run`` has not carried out yet."""
         with self._lock:
-            ranks = [e.snapshot for (r, _), e in self._ranks.items() if r == run]
-            return [c for c in self._commands.get(run, [])
+            ranks = self._run_snapshots((namespace, run))
+            return [c for c in self._commands.get((namespace, run), [])
                     if not ranks or not all(c.id in snap.done_commands for snap in ranks)]
 
-    def runs(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
+    def all_runs(self) -> list[dict[str, Any]]:
+        """The status of every run, in every namespace."""
+        out: dict[RunId, list[RankEntry]] = {}
         for e in self.entries():
-            out.setdefault(e.snapshot.run, {"ranks": []})["ranks"].append(e)
-        return {run: self.run_status(run, v["ranks"]) for run, v in out.items()}
+            out.setdefault(run_id(e.snapshot), []).append(e)
+        return [self.run_status(run, ranks, namespace=ns) for (ns, run), ranks in out.items()]
 
-    def run_status(self, run: str, ranks: list[RankEntry] | None = None) -> dict[str, Any]:
-        ranks = ranks if ranks is not None else [e for e in self.entries() if e.snapshot.run == run]
+    def runs(self, namespace: str = "") -> dict[str, dict[str, Any]]:
+        """The runs of one namespace, by name."""
+        return {s["run"]: s for s in self.all_runs() if s["namespace"] == namespace}
+
+    def run_status(self, run: str, ranks: list[RankEntry] | None = None, namespace: str = "") -> dict[str, Any]:
+        ranks = ranks if ranks is not None else [e for e in self.entries() if run_id(e.snapshot) == (namespace, run)]
         states = [e.snapshot.state if self.is_up(e) or e.snapshot.state in ENDED_STATES else "down" for e in ranks]
         actions: list[ActionRecord] = sorted(
             (a for e in ranks for a in e.snapshot.actions), key=lambda a: (a.time, a.id)
@@ -184,6 +226,7 @@ class RankStore:
             }
         checkpoints = [e.snapshot.last_checkpoint for e in ranks if e.snapshot.last_checkpoint]
         return {
+            "namespace": namespace,
             "run": run,
             "state": _run_state(states),
             "world_size": max((e.snapshot.world_size for e in ranks), default=0),
@@ -194,7 +237,7 @@ class RankStore:
             ],
             "last_action": last_outcome,
             "last_checkpoint": max(checkpoints, default=""),
-            "pending_commands": [c.model_dump() for c in self.pending(run)],
+            "pending_commands": [c.model_dump() for c in self.pending(run, namespace)],
         }
 
 

@@ -1,8 +1,8 @@
 """The agent's own counters.
 
 Emits ``trainpatrol_agent_info``, ``trainpatrol_pushes_total{outcome}``,
-``trainpatrol_webhook_alerts_total{outcome}``, ``trainpatrol_control_commands_total{action,source}``
-and ``trainpatrol_forwarded_alerts_total{outcome}``.
+``trainpatrol_webhook_alerts_total{outcome}``, ``trainpatrol_control_commands_total{action,source}``,
+``trainpatrol_control_commands_refused_total{action,reason}`` and ``trainpatrol_forwarded_alerts_total{outcome}``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ..catalogue import BY_NAME
 
 _COUNTERS = (("trainpatrol_pushes", "pushes", ["outcome"]), ("trainpatrol_webhook_alerts", "alerts", ["outcome"]),
              ("trainpatrol_forwarded_alerts", "forwarded", ["outcome"]),
-             ("trainpatrol_control_commands", "commands", ["action", "source"]))
+             ("trainpatrol_control_commands", "commands", ["action", "source"]),
+             ("trainpatrol_control_commands_refused", "refused", ["action", "reason"]))
 """Family name, ``AgentStats`` attribute and label names of each counter, in exposition order."""
 
 
@@ -34,10 +35,12 @@ class AgentStats:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self._lock = threading.Lock()
-        self.pushes: Counter[str] = Counter({"ok": 0, "invalid": 0, "unauthorized": 0, "too_large": 0})
+        self.pushes: Counter[str] = Counter({"ok": 0, "invalid": 0, "unauthorized": 0, "wrong_namespace": 0,
+                                              "wrong_run_key": 0, "too_large": 0})
         self.alerts: Counter[str] = Counter({"act": 0, "duplicate": 0, "resolved": 0, "forbidden": 0,
-                                             "no_live_rank": 0})
+                                             "no_live_rank": 0, "coalesced": 0, "rate_limited": 0})
         self.commands: Counter[tuple[str, str]] = Counter()
+        self.refused: Counter[tuple[str, str]] = Counter()
         self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})
         self._rendered: dict[str, tuple[Hashable, RenderedFamily]] = {}
         self._version = 0

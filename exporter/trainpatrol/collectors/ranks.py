@@ -79,7 +79,7 @@ class RankCollector:
     def __init__(self, store: RankStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._layouts: dict[tuple[str, int], tuple[RankSnapshot, Layout]] = {}
+        self._layouts: dict[tuple[str, str, int], tuple[RankSnapshot, Layout]] = {}
         self._last: _Scrape | None = None
 
     def describe(self) -> list[Metric]:
@@ -98,7 +98,7 @@ class RankCollector:
         """Lay out a pushed snapshot's series, unless it keeps its rank's last layout.
         ``same_series_as``: a snapshot known to have the same series (a delta's base), which skips
         the comparison when it is the snapshot the rank's layout was made for."""
-        key = (snap.run, snap.rank)
+        key = (snap.namespace, snap.run, snap.rank)  # runs of two namespaces may share a name
         with self._lock:
             known = self._layouts.get(key)
         if known is not None and same_series_as is not None and known[0] is same_series_as:
@@ -111,11 +111,11 @@ class RankCollector:
     def _layout(self, snap: RankSnapshot) -> Layout:
         """The snapshot's layout: the one ``prepare`` made, or made now."""
         with self._lock:
-            known = self._layouts.get((snap.run, snap.rank))
+            known = self._layouts.get((snap.namespace, snap.run, snap.rank))
         if known is None or known[0] is not snap:
             self.prepare(snap)
             with self._lock:
-                known = self._layouts[(snap.run, snap.rank)]
+                known = self._layouts[(snap.namespace, snap.run, snap.rank)]
         return known[1]
 
     def _scrape(self, entries: tuple[RankEntry, ...], up: list[bool], last: _Scrape | None) -> _Scrape:
@@ -125,7 +125,7 @@ class RankCollector:
         layouts = [self._layout(s) for s in snaps]
         with self._lock:
             if len(self._layouts) > len(entries):  # ranks that expired drop out here
-                keys = {(s.run, s.rank) for s in snaps}
+                keys = {(s.namespace, s.run, s.rank) for s in snaps}
                 self._layouts = {k: v for k, v in self._layouts.items() if k in keys}
         # the last scrape, where it had the same layouts: its table, and its families whose samples stayed
         same = last if last is not None and len(last.table.layouts) == len(layouts) and all(

@@ -32,6 +32,8 @@ class PatrolConfig:
     run: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_RUN", "default"))
     agent_url: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_AGENT_URL", DEFAULT_URL))
     token: str = field(default_factory=_env_token)
+    run_key: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_RUN_KEY", ""))
+    """The secret every push of the run proves (probe.run_key); empty: rank 0 makes one and shares it."""
     embedded_agent: bool = True
     """Local rank 0 starts a detached agent when none answers on a loopback URL (probe/embedded.py)."""
     embedded_agent_idle_seconds: float = field(

@@ -45,6 +45,7 @@ from .memory import MemoryReading, default_reader
 from .metrics_state import Latest, Totals, samples
 from .publisher import Publisher
 from .readback import Readback
+from .run_key import run_key
 from .update_hooks import UpdateHooks
 from .window import History, StepRecord
 from .workload import detect as detect_workload
@@ -141,6 +142,7 @@ class Patrol:
                 log.warning("trainpatrol: no agent answers at %s, and local rank 0 started none; pushes will retry",
                             cfg.agent_url)
         self.publisher = Publisher(cfg.agent_url, self.snapshot, self._on_commands, token=cfg.token,
+                                   run_key=run_key(cfg.run_key, self.coordinator.distributed, self.device),
                                    interval=cfg.push_interval_seconds)
         self.publisher.start()
 
@@ -546,6 +548,7 @@ class Patrol:
     def config_dict(self) -> dict[str, Any]:
         d = asdict(self.config)
         d.pop("token", None)
+        d.pop("run_key", None)  # evidence bundles and checkpoints carry this dict
         d["memory_reader"] = repr(self.config.memory_reader)
         return d
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..agent.config import DEFAULT_PORT
-from .push_stream import PushStream, StreamRefused
+from .push_stream import RUN_KEY_HEADER, PushStream, StreamRefused
 from .snapshot_delta import DeltaEncoder
 
 log = logging.getLogger("trainpatrol")
@@ -44,7 +44,7 @@ def next_push_delay(interval: float, now: float) -> float:
 
 class Publisher:
     def __init__(self, agent_url: str, snapshot: Callable[[], dict[str, Any]],
-                 on_commands: Callable[[list[dict[str, Any]]], None], *, token: str = "",
+                 on_commands: Callable[[list[dict[str, Any]]], None], *, token: str = "", run_key: str = "",
                  interval: float = 1.0, timeout: float = 1.0, max_backoff: float = 5.0) -> None:
         parsed = urllib.parse.urlparse(agent_url)
         self._host = parsed.hostname or "127.0.0.1"
@@ -52,6 +52,7 @@ class Publisher:
         self._snapshot = snapshot
         self._on_commands = on_commands
         self._token = token
+        self._run_key = run_key
         self.interval = interval
         self._timeout = timeout
         self._max_backoff = max_backoff
@@ -62,7 +63,7 @@ class Publisher:
         self.dropped = 0
         self.delivered = 0
         self._conn: http.client.HTTPConnection | None = None
-        self._stream = PushStream(self._host, self._port, token, timeout)
+        self._stream = PushStream(self._host, self._port, token, timeout, run_key=run_key)
         self._delta = DeltaEncoder()
         self.streaming = True
         """False once the agent has shown it has no push stream (an older agent): one request per push."""
@@ -204,6 +205,8 @@ class Publisher:
         headers = {"Content-Type": "application/json"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
+        if self._run_key:
+            headers[RUN_KEY_HEADER] = self._run_key
         with self._conn_lock:
             started = time.monotonic()
             try:

@@ -14,6 +14,8 @@ import socket
 from typing import Any
 
 PATH = "/v1/push/stream"
+RUN_KEY_HEADER = "X-Trainpatrol-Run-Key"
+"""Proves the run's key (probe.run_key) for every line of the stream."""
 
 
 class StreamRefused(Exception):
@@ -60,8 +62,9 @@ class _Dechunker:
 class PushStream:
     """One open stream to the agent. Not thread-safe: its owner serialises calls."""
 
-    def __init__(self, host: str, port: int, token: str = "", timeout: float = 1.0) -> None:
+    def __init__(self, host: str, port: int, token: str = "", timeout: float = 1.0, *, run_key: str = "") -> None:
         self._host, self._port, self._token, self._timeout = host, port, token, timeout
+        self._run_key = run_key
         self._sock: socket.socket | None = None
         self._body = _Dechunker()
         self._lines = b""
@@ -83,6 +86,8 @@ class PushStream:
                 "Content-Type: application/x-ndjson", "Transfer-Encoding: chunked"]
         if self._token:
             head.append(f"Authorization: Bearer {self._token}")
+        if self._run_key:
+            head.append(f"{RUN_KEY_HEADER}: {self._run_key}")
         try:
             sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
             status, headers, rest = _read_head(sock)

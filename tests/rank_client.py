@@ -1,0 +1,65 @@
+"""An agent with a token, and clients that push as a rank would: from loopback or from another host."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from fake_clock import Clock
+from trainpatrol.agent.app import Agent
+from trainpatrol.agent.config import AgentConfig
+
+TOKEN = "agent-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+KEY_HEADER = "X-Trainpatrol-Run-Key"
+LOOPBACK = ("127.0.0.1", 40000)
+
+
+def make_agent(clock: Clock | None = None, **overrides: Any) -> Agent:
+    config = AgentConfig(token=TOKEN, nvml=False, **overrides).load()
+    return Agent(config, clock=clock) if clock is not None else Agent(config)
+
+
+def loopback(agent: Agent) -> TestClient:
+    """A client on 127.0.0.1: pushes need no agent token from here."""
+    return TestClient(agent.app, client=LOOPBACK)
+
+
+def snapshot(run: str = "train", rank: int = 0, *, namespace: str = "", world_size: int = 2,
+             **extra: Any) -> dict[str, Any]:
+    return {"run": run, "rank": rank, "world_size": world_size, "namespace": namespace,
+            "step": extra.pop("step", 5), **extra}
+
+
+def push(client: TestClient, key: str = "", headers: dict[str, str] | None = None, **fields: Any) -> Any:
+    h = dict(headers or {})
+    if key:
+        h[KEY_HEADER] = key
+    return client.post("/v1/push", json=snapshot(**fields), headers=h)
+
+
+def alert(fp: str, *, action: str = "pause", run: str = "train", namespace: str = "",
+          alertname: str = "TrainPatrolNonFiniteLoss", starts: str = "2026-12-01T00:00:00Z",
+          **labels: str) -> dict[str, Any]:
+    all_labels = {"alertname": alertname, "run": run, "action": action, "severity": "critical", **labels}
+    if namespace:
+        all_labels["namespace"] = namespace
+    return {"status": "firing", "labels": all_labels, "annotations": {"summary": "x."}, "startsAt": starts,
+            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "", "fingerprint": fp}
+
+
+def payload(*alerts: dict[str, Any]) -> dict[str, Any]:
+    return {"version": "4", "groupKey": "g", "truncatedAlerts": 0, "status": "firing", "receiver": "trainpatrol",
+            "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {}, "externalURL": "", "alerts": list(alerts)}
+
+
+def counter(agent: Agent, family: str, **labels: str) -> float:
+    """One sample of the agent's /metrics, 0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(agent.metrics().decode()):
+        for s in fam.samples:
+            if s.name == family and s.labels == labels:
+                return s.value
+    return 0.0
