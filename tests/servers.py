@@ -148,16 +148,19 @@ def agent(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | 
 
 @contextmanager
 def prometheus(tmp: Path, targets: list[str], rule_files: list[Path] = (),  # type: ignore[assignment]
-               alertmanager_url: str = "", interval: str = "1s", labels: dict[str, str] | None = None) -> Iterator[str]:
+               alertmanager_url: str = "", interval: str = "1s", labels: dict[str, str] | None = None,
+               other_jobs: dict[str, list[str]] | None = None) -> Iterator[str]:
     """A real Prometheus scraping ``targets`` (host:port) every ``interval``; yields its base URL.
 
-    ``labels`` become target labels, with honor_labels on as the chart's monitors set it."""
+    ``labels`` become target labels, with honor_labels on as the chart's monitors set it; ``other_jobs``
+    (job name to targets) are scraped beside, with the same target labels."""
     assert PROMETHEUS, "prometheus binary not installed"
     port = free_port()
     cfg: dict[str, Any] = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
-        "scrape_configs": [{"job_name": "trainpatrol", "honor_labels": bool(labels),
-                            "static_configs": [{"targets": targets, "labels": labels or {}}]}],
+        "scrape_configs": [{"job_name": job, "honor_labels": bool(labels),
+                            "static_configs": [{"targets": job_targets, "labels": labels or {}}]}
+                           for job, job_targets in {"trainpatrol": targets, **(other_jobs or {})}.items()],
         "rule_files": [str(p) for p in rule_files],
     }
     if alertmanager_url:

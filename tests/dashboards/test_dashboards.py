@@ -44,7 +44,7 @@ UIDS = {
     "gpu-node.json": "trainpatrol-gpu-node",
     "gpu-node-dcgm.json": "trainpatrol-gpu-node-dcgm",
 }
-# The DCGM variant reads dcgm-exporter's series, which no live test here can serve.
+# The DCGM variant reads dcgm-exporter's series: its live test serves them from a static exporter.
 LIVE_UIDS = [name for name in UIDS if not name.endswith("-dcgm.json")]
 VARIABLES = ["datasource", "cluster", "namespace", "run", "rank", "node"]
 # What a Kubernetes scrape adds as target labels (the ServiceMonitor's node relabeling; cluster from
@@ -428,3 +428,81 @@ def test_dcgm_dashboard_reads_dcgm_series_and_the_one_to_one_join_table() -> Non
     names = {n for e in exprs for n in re.findall(r"DCGM_FI_\w+", e)}
     assert names >= {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_FB_USED",
                      "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"}
+
+
+# What dcgm-exporter serves with its default counters for one node's two GPUs (its label set, as in
+# alerting/tests/dcgm.test.yml); GPU 0 is the one the rank below runs on.
+DCGM_UUIDS = ("GPU-eec3c3a2-b837-766e-24b3-24b131d2d7d2", "GPU-eec3c3a2-b837-766e-24b3-24b131d2d7d3")
+DCGM_FIELDS = {"DCGM_FI_DEV_GPU_UTIL": (87, 0), "DCGM_FI_DEV_GPU_TEMP": (61, 34), "DCGM_FI_DEV_MEMORY_TEMP": (58, 33),
+               "DCGM_FI_DEV_POWER_USAGE": (612.4, 88.1), "DCGM_FI_DEV_FB_USED": (97000, 0),
+               "DCGM_FI_DEV_FB_FREE": (46000, 143000), "DCGM_FI_DEV_XID_ERRORS": (0, 0),
+               "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": (0, 0), "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": (0, 1),
+               "DCGM_FI_DEV_ROW_REMAP_FAILURE": (0, 0)}
+
+
+def dcgm_exposition(node: str) -> bytes:
+    lines = []
+    for name, values in DCGM_FIELDS.items():
+        lines.append(f"# TYPE {name} gauge")
+        for gpu, (uuid, value) in enumerate(zip(DCGM_UUIDS, values, strict=True)):
+            lines.append(f'{name}{{gpu="{gpu}",UUID="{uuid}",pci_bus_id="00000000:{0x19 + 0x22 * gpu:02X}:00.0",'
+                         f'device="nvidia{gpu}",modelName="NVIDIA H200",Hostname="{node}",'
+                         f'DCGM_FI_DRIVER_VERSION="580.159.04"}} {value}')
+    return ("\n".join(lines) + "\n").encode()
+
+
+class StaticExporter:
+    """An HTTP server answering /metrics with fixed text: dcgm-exporter's series, for Prometheus to scrape."""
+
+    def __init__(self, body: bytes) -> None:
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> StaticExporter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@needs_prometheus
+def test_every_dcgm_panel_query_returns_data_beside_a_dcgm_exporter(tmp_path: Path) -> None:
+    """The DCGM mode as deployed: the agent without NVML, dcgm-exporter's series scraped beside it, the
+    DCGM rules loaded (their join table), and a rank on GPU 0."""
+    with agent(tmp_path, "--no-nvml") as agent_url, StaticExporter(dcgm_exposition(K8S_LABELS["node"])) as dcgm, \
+            prometheus(tmp_path, [agent_url.removeprefix("http://")], rule_files=[REPO / "alerting" / "rules-dcgm.yml"],
+                       labels=K8S_LABELS, other_jobs={"dcgm-exporter": [f"127.0.0.1:{dcgm.port}"]}) as prom, \
+            GpuRank(agent_url, DCGM_UUIDS[0]):
+        wait_for(lambda: query_value(prom, "count(cluster_uuid:trainpatrol_rank_info:topk1_newest)") == 1, 40,
+                 what="the rank joined to its DCGM GPU")
+        start = time.time() - 5
+        time.sleep(6)  # enough samples for the [$__rate_interval] of the ECC panel
+        window = Live(prom, start, time.time())
+        empty, joined = [], 0
+        # the action annotations read the rank series alone, as on the NVML dashboard, whose live test
+        # runs a demo that acts; here no action was taken
+        panels = [q for q in queries("gpu-node-dcgm.json") if q.panel != "annotation"]
+        assert len(panels) >= 12
+        for q in panels:
+            result = _query_range(window, substitute(q.expr, LIVE_VALUES))
+            if not _has_data(result):
+                empty.append(str(q))
+            joined += any(series["metric"].get("run") == LIVE_RUNS[1] for series in result)
+    assert not empty, "DCGM panels that show nothing:\n" + "\n".join(empty)
+    assert joined == len(panels)  # every panel names the rank's run on its GPU
