@@ -1,0 +1,87 @@
+"""Finding 6: idle, slow-header, slow-body and idle-stream connections cannot exhaust the agent's
+file descriptors; a request with a wrong token is refused before its body arrives."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+from _edge import raw
+from servers import free_port, http_get, process, python_env, serving, wait_for
+
+HOSTILE_PER_KIND = 75
+"""Four kinds: 300 hostile connections against an agent allowed 256 descriptors."""
+
+
+def _hostile(port: int, kind: str) -> socket.socket | None:
+    s = socket.socket()
+    s.settimeout(2)
+    try:
+        s.connect(("127.0.0.1", port))
+        host = f"Host: 127.0.0.1:{port}\r\n".encode()
+        if kind == "slow-header":
+            s.sendall(b"GET /healthz HTTP/1.1\r\n" + host)
+        elif kind == "slow-body":
+            s.sendall(b"POST /v1/push HTTP/1.1\r\n" + host + b"Content-Type: application/json\r\n"
+                      b"Content-Length: 500000\r\n\r\n{\"run\"")
+        elif kind == "idle-stream":
+            s.sendall(b"POST /v1/push/stream HTTP/1.1\r\n" + host + b"Content-Type: application/x-ndjson\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+    except OSError:  # refused or reset: the agent let it go, as it should under load
+        s.close()
+        return None
+    return s
+
+
+def test_health_and_scrapes_answer_while_300_hostile_connections_hold_on(tmp_path: Path) -> None:
+    port = free_port()
+    env = python_env(TRAINPATROL_MAX_CONNECTIONS="100", TRAINPATROL_HEADER_TIMEOUT_SECONDS="1",
+                     TRAINPATROL_BODY_TIMEOUT_SECONDS="1", TRAINPATROL_STREAM_IDLE_SECONDS="2")
+    cmd = [sys.executable, "-c", "import resource, sys; "
+           "resource.setrlimit(resource.RLIMIT_NOFILE, (128, 256)); "
+           "from trainpatrol.cli import main; sys.exit(main(sys.argv[1:]))",
+           "agent", "--no-nvml", "--host", "127.0.0.1", "--port", str(port)]
+    with process(cmd, tmp_path / "agent.log", env=env) as proc:
+        here = f"127.0.0.1:{port}"
+        wait_for(lambda: http_get(f"http://{here}/healthz"), 20, what="agent ready")
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        assert [line.split()[3:5] for line in limits.splitlines() if line.startswith("Max open files")] == \
+            [["256", "256"]], limits
+        hostile = [_hostile(port, kind) for kind in ("idle", "slow-header", "slow-body", "idle-stream")
+                   for _ in range(HOSTILE_PER_KIND)]
+        try:
+            deadline = time.monotonic() + 6
+            answered = 0
+            while time.monotonic() < deadline:
+                started = time.monotonic()
+                assert raw(port, "GET", "/healthz", here, timeout=3)[0] == 200
+                assert raw(port, "GET", "/metrics", here, timeout=3)[0] == 200
+                assert time.monotonic() - started < 3
+                answered += 1
+                hostile.append(_hostile(port, "idle"))  # and the flood goes on
+                time.sleep(0.5)
+            assert answered >= 5
+            metrics = raw(port, "GET", "/metrics", here)[1]["text"]
+            for reason in ("connections", "header_timeout", "body_timeout"):
+                assert f'trainpatrol_refused_requests_total{{reason="{reason}"}}' in metrics, reason
+        finally:
+            for s in hostile:
+                if s is not None:
+                    s.close()
+
+
+def test_a_wrong_token_with_a_large_body_is_401_before_the_body_arrives(tmp_path: Path) -> None:
+    port = free_port()
+    env = python_env(TRAINPATROL_TOKEN="right-token")
+    cmd = [sys.executable, "-m", "trainpatrol", "agent", "--no-nvml", "--host", "127.0.0.1", "--port", str(port)]
+    with serving(cmd, tmp_path / "agent.log", port, "/healthz", 20, env=env):
+        for path in ("/v1/push", "/v1/alertmanager", "/v1/runs/r1/actions"):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer wrong\r\n"
+                          "Content-Type: application/json\r\nContent-Length: 500000\r\n\r\n{".encode())
+                started = time.monotonic()
+                head = s.recv(4096)
+                assert head.startswith(b"HTTP/1.1 401 "), (path, head)
+                assert time.monotonic() - started < 1.5
