@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 import pytest
-
 from _edge import AUTH, alert, make, payload, snapshot
+
 from trainpatrol import cli
 
 SURROGATE = '{"version": "4", "status": "firing", "alerts": [{"status": "firing", "labels": {"alertname": "X", ' \
@@ -25,7 +25,8 @@ def reads_still_answer(client: Any) -> None:
 def test_a_lone_surrogate_in_an_alert_label_is_422_and_queues_nothing() -> None:
     agent, client = make()
     client.post("/v1/push", json=snapshot(), headers=AUTH)
-    r = client.post("/v1/alertmanager", content=SURROGATE.encode(), headers={**AUTH, "Content-Type": "application/json"})
+    r = client.post("/v1/alertmanager", content=SURROGATE.encode(),
+                    headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 422 and "printable UTF-8" in r.json()["detail"], r.text
     assert agent.store.pending("r1") == []
     reads_still_answer(client)
@@ -34,7 +35,7 @@ def test_a_lone_surrogate_in_an_alert_label_is_422_and_queues_nothing() -> None:
 @pytest.mark.parametrize("field,value", [("run", "abc\n"), ("run", "abc\x1b[31m"), ("alertname", "A\rB"),
                                          ("severity", "\u202ecritical")])
 def test_a_control_character_in_an_alert_label_is_422_and_a_fixed_retry_acts(field: str, value: str) -> None:
-    agent, client = make()
+    _agent, client = make()
     client.post("/v1/push", json=snapshot(), headers=AUTH)
     r = client.post("/v1/alertmanager", json=payload(alert(**{field: value})), headers=AUTH)
     assert r.status_code == 422, r.text
@@ -44,7 +45,7 @@ def test_a_control_character_in_an_alert_label_is_422_and_a_fixed_retry_acts(fie
 
 
 def test_nan_truncated_alerts_is_422_and_the_alert_is_not_marked_seen() -> None:
-    agent, client = make()
+    _agent, client = make()
     client.post("/v1/push", json=snapshot(), headers=AUTH)
     body = json.dumps(payload(alert())).replace('"version"', '"truncatedAlerts": NaN, "version"')
     r = client.post("/v1/alertmanager", content=body.encode(), headers={**AUTH, "Content-Type": "application/json"})
@@ -84,7 +85,7 @@ def test_a_label_value_with_a_control_character_is_422() -> None:
 
 def test_a_utf8_token_matches() -> None:
     token = "tökén-✓"
-    agent, client = make(token=token)
+    _agent, client = make(token=token)
     client.post("/v1/push", json=snapshot(), headers={"Authorization": f"Bearer {token}".encode()})
     r = client.post("/v1/runs/r1/actions", json={"action": "pause"},
                     headers={"Authorization": f"Bearer {token}".encode(), "Content-Type": "application/json"})
@@ -99,7 +100,7 @@ def test_the_status_table_prints_no_control_characters() -> None:
              "last_action": {"action": "pause", "outcome": "ok\x1b[0m", "step": 3},
              "ranks": [{"rank": 0, "state": "running", "step": 5, "host": "node\x1b[1A\u202e7"}]}]
     text = "\n".join(cli._status_rows(runs))
-    assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) < 0xa0 or c == "\u202e" for c in text), repr(text)
+    assert not any((ord(c) < 32 and c != "\n") or 0x7f <= ord(c) < 0xa0 or c == "\u202e" for c in text), repr(text)
     assert "/ckpt/[2J[31mpwned" in text and len(text.splitlines()) == 3
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,6 +21,19 @@ def validation_problem(exc: ValidationError) -> dict[str, Any]:
     first = errors[0] if errors else {}
     where = ".".join(str(x) for x in first.get("loc", ()))
     return {"detail": f"Invalid request: {where}: {first.get('msg', 'malformed')}", "errors": errors}
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with what strict JSON cannot hold made text: NaN and infinities, lone surrogates."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {jsonable(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value
 
 
 def _printable(value: object) -> str:
