@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from _edge import AUTH, alert, make, payload, raw, snapshot
 
-from _edge import AUTH, make, payload, raw, snapshot, alert
 from servers import agent_in_thread
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig

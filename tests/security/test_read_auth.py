@@ -4,7 +4,6 @@ when asked for; a request without the token is refused before its body is read o
 from __future__ import annotations
 
 import pytest
-
 from _edge import AUTH, TOKEN, alert, make, payload, snapshot
 
 READS = ["/v1/runs", "/v1/runs/r1", "/v1/alerts", "/v1/nvml"]
@@ -14,7 +13,8 @@ READS = ["/v1/runs", "/v1/runs/r1", "/v1/alerts", "/v1/nvml"]
                          ids=["none", "wrong", "no-scheme"])
 def test_read_routes_need_the_token(headers: dict[str, str]) -> None:
     agent, client = make()
-    assert client.post("/v1/push", json=snapshot(host="node-7", last_checkpoint="/ckpt/a"), headers=AUTH).status_code == 200
+    pushed = client.post("/v1/push", json=snapshot(host="node-7", last_checkpoint="/ckpt/a"), headers=AUTH)
+    assert pushed.status_code == 200
     client.post("/v1/alertmanager", json=payload(alert()), headers=AUTH)
     for path in READS:
         r = client.get(path, headers=headers)
@@ -49,7 +49,7 @@ def test_api_docs_are_off_unless_asked_for_and_then_need_the_token() -> None:
 
 @pytest.mark.parametrize("path", ["/v1/alertmanager", "/v1/runs/r1/actions", "/v1/push"])
 def test_a_request_without_the_token_is_401_before_its_body_is_validated(path: str) -> None:
-    agent, client = make()
+    _agent, client = make()
     r = client.post(path, content=b'{"not": "valid', headers={"Content-Type": "application/json"})
     assert r.status_code == 401, r.text
     r = client.post(path, json={"action": 7}, headers={"Authorization": "Bearer wrong"})

@@ -33,11 +33,14 @@ from ..collectors.agent_self import AgentStats
 from ..collectors.health import CollectorSet, Collects
 from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
-from ..protocol import RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot
+from ..protocol import RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot, valid_run
 from .alerts import Deduper, WebhookPayload, classify, to_command
 from .auth import require_control, require_push
+from .bounds import Bounds, Refused
 from .config import AgentConfig
+from .edge import Edge, HostCheck
 from .hotpath import HotPaths
+from .problems import jsonable
 from .router import FORWARDED_HEADER, Router
 from .store import RankStore
 
@@ -77,7 +80,8 @@ class NoLiveRank(Problem):
 
 _PROBLEMS = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or wrong",
              403: "Action not in the allow-list", 404: "Unknown run", 413: "Request body too large",
-             422: "Malformed request"}
+             421: "Host header not one of this agent's names (agent.edge)", 422: "Malformed request",
+             429: "Over one of the agent's bounds (agent.bounds)"}
 _NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
     404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
     409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
@@ -133,8 +137,12 @@ class Agent:
     def __init__(self, config: AgentConfig, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.bounds = Bounds(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
+                             max_series=config.max_series, max_samples_per_push=config.max_samples_per_push,
+                             max_label_length=config.max_label_length,
+                             max_queued_commands=config.max_queued_commands)
         self.store = RankStore(config.rank_up_ttl_seconds, config.rank_expire_seconds,
-                               config.closed_expire_seconds, clock)
+                               config.closed_expire_seconds, clock, bounds=self.bounds)
         self.stats = AgentStats(config.mode)
         self.nvml = nvml
         self.ranks = RankCollector(self.store)
@@ -147,16 +155,18 @@ class Agent:
         self.registry.register(self.collectors)
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
-        self.alert_log: deque[dict[str, Any]] = deque(maxlen=200)
+        self.alert_log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
         self.api = self._build()
         self._scraped = False
         """A scrape came since the last batch of stream lines."""
         self.last_push = time.monotonic()
         """When a rank last pushed (or the agent started): scrapes and API calls do not keep an idle agent up."""
-        self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
-                            max_body=config.max_push_bytes, metrics=self.metrics,
-                            health=self._health, stream_idle_seconds=config.rank_expire_seconds,
-                            after_batch=self._after_batch)
+        hot = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
+                       max_body=config.max_push_bytes, metrics=self.metrics,
+                       health=self._health, stream_idle_seconds=config.stream_idle_seconds,
+                       after_batch=self._after_batch)
+        self.app = Edge(hot, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats,
+                        token=config.token, metrics_token=config.metrics_token)
 
     def metrics(self) -> bytes:
         """The /metrics body."""
@@ -173,8 +183,16 @@ class Agent:
 
     def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None = None) -> list[Command]:
         """Store a valid, authorised push and lay out its series; returns the commands for its reply.
-        ``same_series_as``: a snapshot known to have the same series (a delta line's base)."""
-        commands = self.store.push(snapshot)
+        ``same_series_as``: a snapshot known to have the same series (a delta line's base).
+        Raises ``Refused`` for a push over a bound, counted here."""
+        try:
+            if same_series_as is None:  # a delta's series were checked with its base
+                self.bounds.check_snapshot(snapshot)
+            commands = self.store.push(snapshot)
+        except Refused as exc:
+            self.stats.count("refusals", exc.reason)
+            self.stats.count("pushes", "refused")
+            raise
         self.last_push = time.monotonic()
         self.ranks.prepare(snapshot, same_series_as)
         self.stats.count("pushes", "ok")
@@ -188,7 +206,12 @@ class Agent:
         return {"status": "ok", "mode": self.config.mode, "version": __version__}
 
     def enqueue(self, command: Command) -> bool:
-        fresh = self.store.enqueue(command)
+        """Queue ``command``; False if it was queued before. Raises ``Refused`` over the queue's bound."""
+        try:
+            fresh = self.store.enqueue(command)
+        except Refused as exc:
+            self.stats.count("refusals", exc.reason)
+            raise
         if fresh:
             self.stats.count("commands", (command.action, command.source.split(":")[0]))
             log.info("queued %s for run %s (id %d, %s): %s", command.action, command.run, command.id,
@@ -196,7 +219,10 @@ class Agent:
         return fresh
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="trainpatrol agent", version=__version__,
+        docs = self.config.api_docs  # the schema maps the whole surface: only when asked for
+        app = FastAPI(title="trainpatrol agent", version=__version__, openapi_url="/openapi.json" if docs else None,
+                      docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                      responses=_errors(421),
                       description="Serves rank and GPU metrics to Prometheus and carries control actions "
                                   "to training ranks. See docs/runbooks.md.")
         cfg = self.config
@@ -209,7 +235,8 @@ class Agent:
             first = errors[0] if errors else {}
             where = ".".join(str(x) for x in first.get("loc", ()))
             message = f"Invalid request: {where}: {first.get('msg', 'malformed')}"
-            return JSONResponse({"detail": message, "errors": jsonable_encoder(errors)}, status_code=422)
+            # the input echoed may hold NaN or a lone surrogate, which JSONResponse cannot write
+            return JSONResponse({"detail": message, "errors": jsonable(jsonable_encoder(errors))}, status_code=422)
 
         app.add_middleware(BodyLimit, limit=cfg.max_push_bytes)
 
@@ -225,34 +252,39 @@ class Agent:
             return Response(self.metrics(), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/v1/push", response_model=PushReply, summary="One rank's snapshot",
-                  responses=_errors(400, 401, 413, 422))
+                  responses=_errors(400, 401, 413, 422, 429))
         async def push(request: Request, snapshot: RankSnapshot) -> PushReply:
             try:
                 require_push(request, cfg.token)
             except HTTPException:
                 self.stats.count("pushes", "unauthorized")
                 raise
-            return PushReply(commands=self.accept_push(snapshot))
+            try:
+                return PushReply(commands=self.accept_push(snapshot))
+            except Refused as exc:
+                raise HTTPException(exc.status, exc.detail) from None
 
-        @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action")
+        @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action",
+                 responses=_errors(401))
         def runs() -> dict[str, Any]:
             return {"runs": list(self.store.runs().values())}
 
         @app.get("/v1/runs/{run}", summary="One run's state, ranks, last action and checkpoint",
-                 responses=_errors(404, 422))
+                 responses=_errors(401, 404, 422))
         def run_status(run: str) -> dict[str, Any]:
+            if not valid_run(run):
+                raise HTTPException(422, f"Run name {run!r} is not valid; expected {RUN_PATTERN}.")
             status = self.store.runs().get(run)
             if status is None:
                 raise HTTPException(404, f"Run {run!r} is not hosted by this agent.")
             return status
 
         @app.post("/v1/runs/{run}/actions", status_code=202, summary="Ask every rank of a run to act",
-                  response_model=ActionAccepted, responses={**_errors(400, 401, 403, 413, 422), **_NO_LIVE_RANK})
+                  response_model=ActionAccepted,
+                  responses={**_errors(400, 401, 403, 413, 422, 429), **_NO_LIVE_RANK})
         def act(request: Request, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
             require_control(request, cfg.token)
-            import re
-
-            if not re.match(RUN_PATTERN, run):
+            if not valid_run(run):
                 raise HTTPException(422, f"Run name {run!r} is not valid; expected {RUN_PATTERN}.")
             if body.action != "resume" and body.action not in cfg.allowed_actions:
                 raise HTTPException(403, f"Action {body.action!r} is not in the allow-list "
@@ -265,7 +297,10 @@ class Agent:
                                     status_code=404 if state == "unknown" else 409)
             command = Command(id=secrets.randbelow(2**31 - 2) + 1, run=run, action=body.action,
                               reason=body.reason, source="api", created=self.clock())
-            self.enqueue(command)
+            try:
+                self.enqueue(command)
+            except Refused as exc:
+                return JSONResponse({"detail": exc.detail}, status_code=exc.status)
             return ActionAccepted(accepted=True, id=command.id, run=run, action=body.action, hosted=True,
                                   live=True, live_ranks=live)
 
@@ -288,7 +323,11 @@ class Agent:
                         kind = "forwarded"  # the router's case: a peer hosts the run
                         remote.append(alert)
                     elif self.store.live_ranks(command.run):
-                        self.enqueue(command)
+                        try:
+                            self.enqueue(command)
+                        except Refused as exc:  # not acted on: a re-send once the queue drains acts
+                            kind, detail = "over_limit", exc.detail
+                            self.dedupe.forget(alert)
                     else:  # a queued command would wait for a rank that never comes
                         kind, detail = "no_live_rank", no_live_rank(command.run)
                         self.dedupe.forget(alert)  # not acted on: a re-send once a rank is live acts
@@ -309,11 +348,12 @@ class Agent:
                                      "results": results}, status_code=403)
             return JSONResponse({"accepted": True, "results": results}, status_code=202)
 
-        @app.get("/v1/alerts", summary="Recently received alerts and what was done with them")
+        @app.get("/v1/alerts", summary="Recently received alerts and what was done with them",
+                 responses=_errors(401))
         def alerts() -> dict[str, Any]:
             return {"alerts": list(self.alert_log)}
 
-        @app.get("/v1/nvml", summary="The last NVML sample, for evidence bundles")
+        @app.get("/v1/nvml", summary="The last NVML sample, for evidence bundles", responses=_errors(401))
         def nvml_snapshot() -> dict[str, Any]:
             if self.nvml is None:
                 return {"available": False, "reason": "NVML collector disabled"}

@@ -6,9 +6,10 @@ routing, dependency solving and response models cost more CPU than the work itse
 and ``GET /healthz`` directly and hands everything else to the FastAPI app, which still documents
 these routes in its OpenAPI schema.
 Answers are those FastAPI gave: 413 over the body limit, 401 without the token, 422 with the
-validation errors under ``body``. One difference: the token is checked before the body is parsed.
+validation errors under ``body``, 413/422/429 over a bound (agent.bounds). One difference: the token
+is checked before the body is read, so a wrong token costs no body.
 
-Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, too_large).
+Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, too_large, refused).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..collectors.agent_self import AgentStats
 from ..protocol import PushReply, RankSnapshot
 from .auth import PUSH_REFUSED, push_allowed
+from .bounds import Refused
 from .problems import too_large, validation_problem
 from .push_stream import NDJSON, Accept, PushStream
 
@@ -73,13 +75,13 @@ class HotPaths:
 
     async def _push(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"])
+        if await self._refused(scope, headers, send, (JSON,)):
+            return
         try:
             body = await self._body(headers.get(b"content-length", b"0"), receive)
         except BodyTooLarge as exc:
             self.stats.count("pushes", "too_large")
             await _problem(send, 413, exc.detail)
-            return
-        if await self._refused(scope, headers, send, (JSON,)):
             return
         try:
             snapshot = RankSnapshot.model_validate_json(body)
@@ -88,7 +90,11 @@ class HotPaths:
             problem = validation_problem(exc)
             await _problem(send, 422, problem["detail"], errors=problem["errors"])
             return
-        commands = self.accept(snapshot, None)
+        try:
+            commands = self.accept(snapshot, None)
+        except Refused as exc:
+            await _problem(send, exc.status, exc.detail)
+            return
         reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
         await _answer(send, 200, reply, JSON)
 

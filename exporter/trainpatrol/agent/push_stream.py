@@ -31,6 +31,7 @@ from starlette.types import Receive, Send
 
 from ..collectors.agent_self import AgentStats
 from ..protocol import Command, RankSnapshot, SnapshotDelta
+from .bounds import Refused
 from .problems import validation_problem
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class PushStream:
                 except asyncio.CancelledError:
                     if not idle.expired:
                         raise
+                    self.stats.count("refusals", "stream_idle")
                     break  # a peer silent this long is gone without a FIN: end the answer, free the task
                 idle.touch()
                 if message["type"] == "http.disconnect":
@@ -178,11 +180,17 @@ class PushStream:
             stream.bases.clear()  # deltas after a refused line would build on the wrong base: whole lines first
             await self._reply(stream, {"line": number, "status": 422, **problem})
             return
+        try:
+            commands = self.accept(snapshot, like)
+        except Refused as exc:  # counted by accept
+            stream.counts["refused"] += 1
+            stream.bases.pop(key, None)
+            await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
+            return
         if key not in stream.bases and len(stream.bases) >= MAX_RANKS_PER_STREAM:
             stream.bases.pop(next(iter(stream.bases)))
         stream.bases[key] = snapshot
         stream.counts["accepted"] += 1
-        commands = self.accept(snapshot, like)
         if commands:
             await self._reply(stream, {"run": snapshot.run, "rank": snapshot.rank, "seq": snapshot.seq,
                                        "commands": [c.model_dump(mode="json") for c in commands]})

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol import ActionRecord, Command, RankSnapshot
+from .bounds import Bounds
 
 COMMAND_TTL_SECONDS = 3600.0
 ENDED_STATES = ("closed", "stopped")
@@ -31,7 +32,8 @@ class RankStore:
     """Thread-safe; the web handlers, the collector and the expiry all go through one lock."""
 
     def __init__(self, rank_up_ttl: float = 15.0, expire_after: float = 600.0, closed_expire_after: float = 60.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, bounds: Bounds | None = None) -> None:
+        self.bounds = bounds or Bounds()
         self.rank_up_ttl = rank_up_ttl
         self.expire_after = expire_after
         self.closed_expire_after = closed_expire_after
@@ -40,6 +42,9 @@ class RankStore:
         self._ranks: dict[tuple[str, int], RankEntry] = {}
         self._commands: dict[str, list[Command]] = {}
         self._seen_commands: dict[int, float] = {}
+        self._run_ranks: dict[str, int] = {}
+        """Ranks held per run, and below the samples held over all ranks: what the bounds are checked against."""
+        self._series = 0
         self._next_expiry = float("inf")
         """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
         self._entries: tuple[RankEntry, ...] | None = None  # sorted by (run, rank); None after any change
@@ -48,7 +53,8 @@ class RankStore:
 
     # --- pushes -------------------------------------------------------------------------------
     def push(self, snap: RankSnapshot) -> list[Command]:
-        """Record a snapshot; return the run's commands this rank has not carried out yet."""
+        """Record a snapshot; return the run's commands this rank has not carried out yet.
+        Raises ``bounds.Refused`` for a push over a bound (a new run, a new rank, more series)."""
         now = self._clock()
         key = (snap.run, snap.rank)
         with self._lock:
@@ -56,6 +62,13 @@ class RankStore:
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
+            held = len(old.snapshot.samples) if old is not None else 0
+            series = self._series - held + len(snap.samples)
+            if old is None or len(snap.samples) > held:
+                self.bounds.admit(snap, old is None, len(self._run_ranks), self._run_ranks.get(snap.run), series)
+            if old is None:
+                self._run_ranks[snap.run] = self._run_ranks.get(snap.run, 0) + 1
+            self._series = series
             self._entries = None
             entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
@@ -76,6 +89,7 @@ class RankStore:
         with self._lock:
             if command.id in self._seen_commands:
                 return False
+            self.bounds.admit_command(command.run, len(self._commands.get(command.run, ())))
             self._seen_commands[command.id] = command.created
             if len(self._seen_commands) > 10000:
                 for cid in sorted(self._seen_commands, key=self._seen_commands.__getitem__)[:1000]:
@@ -102,8 +116,7 @@ class RankStore:
                 return
             for key, e in list(self._ranks.items()):
                 if now > self._deadline(e):
-                    del self._ranks[key]
-                    self._entries = None
+                    self._forget(key, e)
             for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
                 kept = [c for c in queue if now - c.created < COMMAND_TTL_SECONDS]
                 if kept:
@@ -113,6 +126,16 @@ class RankStore:
             self._next_expiry = min([*(self._deadline(e) for e in self._ranks.values()),
                                      *(c.created + COMMAND_TTL_SECONDS for q in self._commands.values() for c in q)],
                                     default=float("inf"))
+
+    def _forget(self, key: tuple[str, int], e: RankEntry) -> None:
+        del self._ranks[key]
+        self._entries = None
+        self._series -= len(e.snapshot.samples)
+        left = self._run_ranks[key[0]] - 1
+        if left:
+            self._run_ranks[key[0]] = left
+        else:
+            del self._run_ranks[key[0]]
 
     def entries(self) -> tuple[RankEntry, ...]:
         """Every rank, sorted by (run, rank): the very same tuple until a push or an expiry changes it

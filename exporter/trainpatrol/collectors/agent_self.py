@@ -2,7 +2,7 @@
 
 Emits ``trainpatrol_agent_info``, ``trainpatrol_pushes_total{outcome}``,
 ``trainpatrol_webhook_alerts_total{outcome}``, ``trainpatrol_control_commands_total{action,source}``
-and ``trainpatrol_forwarded_alerts_total{outcome}``.
+and ``trainpatrol_forwarded_alerts_total{outcome}`` and ``trainpatrol_refused_requests_total{reason}``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ..catalogue import BY_NAME
 
 _COUNTERS = (("trainpatrol_pushes", "pushes", ["outcome"]), ("trainpatrol_webhook_alerts", "alerts", ["outcome"]),
              ("trainpatrol_forwarded_alerts", "forwarded", ["outcome"]),
-             ("trainpatrol_control_commands", "commands", ["action", "source"]))
+             ("trainpatrol_control_commands", "commands", ["action", "source"]),
+             ("trainpatrol_refused_requests", "refusals", ["reason"]))
 """Family name, ``AgentStats`` attribute and label names of each counter, in exposition order."""
 
 
@@ -39,6 +40,8 @@ class AgentStats:
                                              "no_live_rank": 0})
         self.commands: Counter[tuple[str, str]] = Counter()
         self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})
+        self.refusals: Counter[str] = Counter({"host": 0, "unauthorized": 0})
+        """Requests, connections and pushes refused at the edge or over a bound, by reason (docs/security.md)."""
         self._rendered: dict[str, tuple[Hashable, RenderedFamily]] = {}
         self._version = 0
         """Counts made so far: the families stand while it and the host name stay the same."""
