@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from _edge import raw
+
 from servers import free_port, http_get, process, python_env, serving, wait_for
 
 HOSTILE_PER_KIND = 75
