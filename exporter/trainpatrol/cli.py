@@ -98,6 +98,9 @@ def _agent_parser(sub: Any) -> None:
     p.add_argument("--allowed-actions", help="comma-separated actions webhooks and the API may request")
     p.add_argument("--peers", help="comma-separated host:port of peer agents alerts may be forwarded to")
     p.add_argument("--peers-dns", help="DNS name whose addresses are peers (a headless Service)")
+    p.add_argument("--allowed-hosts", help="comma-separated Host names the agent answers to besides loopback and "
+                                           "--host (a Service name, the pod IP); others get 421")
+    p.add_argument("--api-docs", action="store_true", default=None, help="serve /docs and /openapi.json")
     p.add_argument("--nvml", dest="nvml", action="store_true", default=None, help="collect NVML metrics (default)")
     p.add_argument("--no-nvml", dest="nvml", action="store_false")
     p.add_argument("--nvml-interval", type=float, dest="nvml_interval_seconds")
@@ -238,7 +241,7 @@ def _agent(args: argparse.Namespace) -> int:
     from .agent.server import serve
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command",) and v is not None}
-    for key in ("allowed_actions", "peers"):
+    for key in ("allowed_actions", "peers", "allowed_hosts"):
         if key in overrides:
             overrides[key] = tuple(x.strip() for x in overrides[key].split(",") if x.strip())
     try:
