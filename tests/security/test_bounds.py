@@ -102,3 +102,15 @@ def test_the_alert_log_and_alert_fields_are_bounded() -> None:
     big["startsAt"] = "2" * 1000
     assert client.post("/v1/alertmanager", json=payload(big), headers=AUTH).status_code == 422
     assert len(agent.alert_log) == 3
+
+
+def test_a_body_with_more_samples_than_the_bound_is_413_before_it_is_parsed() -> None:
+    agent, client = make(max_samples_per_push=2)
+    body = json.dumps(snapshot(samples=[loss()] * 4)).encode()
+    r = client.post("/v1/push", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert (r.status_code, r.json()["detail"]) == (413, "A push of at least 3 samples is over the limit of 2 "
+                                                        "(max_samples_per_push, TRAINPATROL_MAX_SAMPLES_PER_PUSH).")
+    # a label value cannot hold the key's bytes: JSON escapes its quotes
+    tricky = snapshot(samples=[info(host='"name" "name" "name"')])
+    assert client.post("/v1/push", json=tricky, headers=AUTH).status_code == 200
+    assert agent.stats.refusals["max_samples_per_push"] == 1 and agent.stats.pushes["refused"] == 1

@@ -26,7 +26,7 @@ def _hostile(port: int, kind: str) -> socket.socket | None:
             s.sendall(b"GET /healthz HTTP/1.1\r\n" + host)
         elif kind == "slow-body":
             s.sendall(b"POST /v1/push HTTP/1.1\r\n" + host + b"Content-Type: application/json\r\n"
-                      b"Content-Length: 500000\r\n\r\n{\"run\"")
+                      b"Content-Length: 200000\r\n\r\n{\"run\"")
         elif kind == "idle-stream":
             s.sendall(b"POST /v1/push/stream HTTP/1.1\r\n" + host + b"Content-Type: application/x-ndjson\r\n"
                       b"Transfer-Encoding: chunked\r\n\r\n")

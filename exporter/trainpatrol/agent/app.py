@@ -40,7 +40,7 @@ from .bounds import Bounds, Refused
 from .config import AgentConfig
 from .edge import Edge, HostCheck
 from .hotpath import HotPaths
-from .problems import jsonable
+from .problems import jsonable, shortened
 from .router import FORWARDED_HEADER, Router
 from .store import RankStore
 
@@ -164,7 +164,7 @@ class Agent:
         hot = HotPaths(self.api, accept=self.accept_push, stats=self.stats, token=config.token,
                        max_body=config.max_push_bytes, metrics=self.metrics,
                        health=self._health, stream_idle_seconds=config.stream_idle_seconds,
-                       after_batch=self._after_batch)
+                       after_batch=self._after_batch, check_body=self._check_push_body)
         self.app = Edge(hot, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats,
                         token=config.token, metrics_token=config.metrics_token)
 
@@ -197,6 +197,15 @@ class Agent:
         self.ranks.prepare(snapshot, same_series_as)
         self.stats.count("pushes", "ok")
         return commands
+
+    def _check_push_body(self, body: bytes) -> None:
+        """``Bounds.check_body``, counted."""
+        try:
+            self.bounds.check_body(body)
+        except Refused as exc:
+            self.stats.count("refusals", exc.reason)
+            self.stats.count("pushes", "refused")
+            raise
 
     def idle_for(self) -> float:
         """Seconds since a rank last pushed (or since the agent started)."""
@@ -231,14 +240,14 @@ class Agent:
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             if request.url.path == "/v1/push":
                 self.stats.count("pushes", "invalid")
-            errors = exc.errors()
+            errors = shortened(list(exc.errors()))
             first = errors[0] if errors else {}
             where = ".".join(str(x) for x in first.get("loc", ()))
             message = f"Invalid request: {where}: {first.get('msg', 'malformed')}"
             # the input echoed may hold NaN or a lone surrogate, which JSONResponse cannot write
             return JSONResponse({"detail": message, "errors": jsonable(jsonable_encoder(errors))}, status_code=422)
 
-        app.add_middleware(BodyLimit, limit=cfg.max_push_bytes)
+        app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)
 
         # /healthz, /metrics and /v1/push are answered by agent.hotpath before a request reaches
         # FastAPI; these routes document them in the OpenAPI schema, and answer HEAD

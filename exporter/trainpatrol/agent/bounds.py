@@ -28,10 +28,21 @@ def _setting(name: str) -> str:
 class Bounds:
     max_runs: int = 16
     max_ranks_per_run: int = 128
-    max_series: int = 20_000
+    max_series: int = 10_000
     max_samples_per_push: int = 1024
     max_label_length: int = 256
     max_queued_commands: int = 64
+
+    def check_body(self, body: bytes) -> None:
+        """Before parsing: a body with more sample objects than the bound is refused unread. Every
+        sample has a ``"name"`` key, and those bytes cannot occur inside a JSON string (its quotes
+        would be escaped), so the count bounds the samples from above; parsing a large body blocked
+        the event loop, and every scrape behind it, for about 10 ms per 0.25 MB."""
+        found = body.count(b'"name"')
+        if found > self.max_samples_per_push + 1:  # one more: the histogram has a name too
+            raise Refused(413, "max_samples_per_push",
+                          f"A push of at least {found - 1} samples is over the limit of {self.max_samples_per_push} "
+                          f"({_setting('max_samples_per_push')}).")
 
     def check_snapshot(self, snap: RankSnapshot) -> None:
         """What one push may carry, whoever sends it."""

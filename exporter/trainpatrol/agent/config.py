@@ -62,7 +62,7 @@ class AgentConfig:
     # Bounds (docs/security.md): sized for a node of 8 GPUs running a few runs, with room to spare.
     max_runs: int = 16
     max_ranks_per_run: int = 128
-    max_series: int = 20_000
+    max_series: int = 10_000
     """Samples held over all ranks: what /metrics has to write (a rank of a real run pushes about 100)."""
     max_samples_per_push: int = 1024
     max_label_length: int = 256
@@ -70,7 +70,11 @@ class AgentConfig:
     """Commands waiting per run."""
     alert_log_size: int = 200
     webhook_dedupe_size: int = 10000
-    max_push_bytes: int = 1_000_000
+    max_push_bytes: int = 262_144
+    """A push or stream line: a whole snapshot of 1024 samples fits; a Patrol's is about 7 KB. Parsing a
+    body blocks the event loop for its size (a 0.9 MB one about 40 ms), so this bound also bounds that."""
+    max_request_bytes: int = 1_000_000
+    """Any other request body: the webhook (a group of hundreds of alerts) and the control API."""
     # Connections (agent.connections): a slow or silent peer cannot hold a descriptor for long.
     max_connections: int = 256
     header_timeout_seconds: float = 10.0
@@ -95,6 +99,7 @@ class AgentConfig:
             raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
         for name in ("max_runs", "max_ranks_per_run", "max_series", "max_samples_per_push", "max_label_length",
                      "max_queued_commands", "alert_log_size", "webhook_dedupe_size", "max_push_bytes",
+                     "max_request_bytes",
                      "max_connections", "header_timeout_seconds", "body_timeout_seconds", "keep_alive_seconds",
                      "stream_idle_seconds"):
             if not getattr(self, name) > 0:

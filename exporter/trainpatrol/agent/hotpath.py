@@ -45,13 +45,16 @@ class HotPaths:
     def __init__(self, app: ASGIApp, *, accept: Accept, stats: AgentStats,
                  token: str, max_body: int, metrics: Callable[[], bytes],
                  health: Callable[[], dict[str, Any]], stream_idle_seconds: float,
-                 after_batch: Callable[[], None] = lambda: None) -> None:
+                 after_batch: Callable[[], None] = lambda: None,
+                 check_body: Callable[[bytes], None] = lambda body: None) -> None:
         self.app = app
         self.accept, self.stats = accept, stats
         self.token, self.max_body = token, max_body
         self.metrics, self.health = metrics, health
+        self.check_body = check_body
+        """Raises ``Refused`` for a body that is over a bound before it is parsed (agent.bounds)."""
         self.stream = PushStream(accept=accept, stats=stats, max_line=max_body, idle_seconds=stream_idle_seconds,
-                                 after_batch=after_batch)
+                                 after_batch=after_batch, check_line=check_body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -82,6 +85,11 @@ class HotPaths:
         except BodyTooLarge as exc:
             self.stats.count("pushes", "too_large")
             await _problem(send, 413, exc.detail)
+            return
+        try:
+            self.check_body(body)
+        except Refused as exc:
+            await _problem(send, exc.status, exc.detail)
             return
         try:
             snapshot = RankSnapshot.model_validate_json(body)

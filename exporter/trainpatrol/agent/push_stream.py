@@ -66,8 +66,9 @@ class PushStream:
     one stream keep their order."""
 
     def __init__(self, *, accept: Accept, stats: AgentStats, max_line: int, idle_seconds: float,
-                 batch_seconds: float = 0.25, after_batch: Callable[[], None] = lambda: None) -> None:
-        self.accept, self.stats, self.after_batch = accept, stats, after_batch
+                 batch_seconds: float = 0.25, after_batch: Callable[[], None] = lambda: None,
+                 check_line: Callable[[bytes], None] = lambda line: None) -> None:
+        self.accept, self.stats, self.after_batch, self.check_line = accept, stats, after_batch, check_line
         self.max_line, self.idle_seconds, self.batch_seconds = max_line, idle_seconds, batch_seconds
         self.lines_per_turn = 8
         """Lines handled before a scrape waiting meanwhile gets its turn: the ranks of a node push in
@@ -166,6 +167,13 @@ class PushStream:
             await self._reply(stream, {"line": number, "status": 413,
                                        "detail": f"Line {number} is longer than the limit of {self.max_line} "
                                                  "bytes; skipped to the next newline."})
+            return
+        try:
+            self.check_line(line)
+        except Refused as exc:  # counted by check_line
+            stream.counts["refused"] += 1
+            stream.bases.clear()
+            await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
             return
         try:
             delta = SnapshotDelta.model_validate_json(line)
