@@ -110,7 +110,9 @@ def test_a_body_with_more_samples_than_the_bound_is_413_before_it_is_parsed() ->
     r = client.post("/v1/push", content=body, headers={**AUTH, "Content-Type": "application/json"})
     assert (r.status_code, r.json()["detail"]) == (413, "A push of at least 3 samples is over the limit of 2 "
                                                         "(max_samples_per_push, TRAINPATROL_MAX_SAMPLES_PER_PUSH).")
+    r = client.post("/v1/push/stream", content=body + b"\n", headers={**AUTH, "Content-Type": "application/x-ndjson"})
+    assert json.loads(r.content.splitlines()[0])["detail"].startswith("A push of at least 3 samples")
     # a label value cannot hold the key's bytes: JSON escapes its quotes
     tricky = snapshot(samples=[info(host='"name" "name" "name"')])
     assert client.post("/v1/push", json=tricky, headers=AUTH).status_code == 200
-    assert agent.stats.refusals["max_samples_per_push"] == 1 and agent.stats.pushes["refused"] == 1
+    assert agent.stats.refusals["max_samples_per_push"] == 2 and agent.stats.pushes["refused"] == 2

@@ -86,3 +86,36 @@ def test_a_wrong_token_with_a_large_body_is_401_before_the_body_arrives(tmp_path
                 head = s.recv(4096)
                 assert head.startswith(b"HTTP/1.1 401 "), (path, head)
                 assert time.monotonic() - started < 1.5
+
+
+def _closed_by_peer(s: socket.socket, within: float) -> bool:
+    """Did the agent close ``s`` (the agent sends nothing before it does) within ``within`` seconds?"""
+    s.settimeout(within)
+    try:
+        s.recv(1024)
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        pass
+    return True
+
+
+def test_silent_slow_header_and_slow_body_connections_are_closed_after_their_timeouts(tmp_path: Path) -> None:
+    port = free_port()
+    env = python_env(TRAINPATROL_HEADER_TIMEOUT_SECONDS="1", TRAINPATROL_BODY_TIMEOUT_SECONDS="1",
+                     TRAINPATROL_KEEP_ALIVE_SECONDS="30")
+    cmd = [sys.executable, "-m", "trainpatrol", "agent", "--no-nvml", "--host", "127.0.0.1", "--port", str(port)]
+    with serving(cmd, tmp_path / "agent.log", port, "/healthz", 20, env=env):
+        kinds = {"idle": 4, "slow-header": 3, "slow-body": 5}
+        opened = {kind: [_hostile(port, kind) for _ in range(n)] for kind, n in kinds.items()}
+        assert all(s is not None for group in opened.values() for s in group)
+        time.sleep(0.5)
+        assert not any(_closed_by_peer(s, 0.01) for group in opened.values() for s in group if s)  # not yet
+        assert all(_closed_by_peer(s, 2.0) for group in opened.values() for s in group if s)
+        metrics = raw(port, "GET", "/metrics", f"127.0.0.1:{port}")[1]["text"]
+        assert 'trainpatrol_refused_requests_total{reason="header_timeout"} 7.0' in metrics
+        assert 'trainpatrol_refused_requests_total{reason="body_timeout"} 5.0' in metrics
+        for group in opened.values():
+            for s in group:
+                if s is not None:
+                    s.close()
