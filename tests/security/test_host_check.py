@@ -7,6 +7,7 @@ import json
 
 import pytest
 from _edge import AUTH, alert, make, payload, raw, snapshot
+from fastapi.testclient import TestClient
 
 from servers import agent_in_thread
 from trainpatrol.agent.app import Agent
@@ -61,9 +62,11 @@ def test_any_other_host_is_421_on_hot_and_framework_routes(host: str) -> None:
     assert agent.store.entries() == ()
 
 
-def test_the_bind_address_is_an_allowed_host() -> None:
-    agent = Agent(AgentConfig(host="10.9.8.7", token="t", nvml=False).load())
-    from fastapi.testclient import TestClient
-
-    assert TestClient(agent.app, base_url="http://10.9.8.7:9400").get("/healthz").status_code == 200
-    assert TestClient(agent.app, base_url="http://10.9.8.6:9400").get("/healthz").status_code == 421
+@pytest.mark.parametrize("bind,served,refused", [("10.9.8.7", "10.9.8.7:9400", "10.9.8.6:9400"),
+                                                 ("fd00::5", "[fd00:0::5]:9400", "[fd00::6]:9400"),
+                                                 ("0.0.0.0", "127.0.0.1:9400", "0.0.0.0:9400")])
+def test_the_bind_address_is_an_allowed_host(bind: str, served: str, refused: str) -> None:
+    agent = Agent(AgentConfig(host=bind, token="t", nvml=False).load())
+    client = TestClient(agent.app)
+    assert client.get("/healthz", headers={"host": served}).status_code == 200
+    assert client.get("/healthz", headers={"host": refused}).status_code == 421

@@ -48,7 +48,7 @@ class HostCheck:
     """Is a Host header value one of this agent's names? Answers are remembered: a few names repeat."""
 
     def __init__(self, bind_host: str, allowed: tuple[str, ...]) -> None:
-        names = {host_name(h) for h in allowed if h.strip()} | {host_name(bind_host.strip("[]")) or ""}
+        names = {_configured(h) for h in (*allowed, bind_host) if h.strip()}
         self.names = frozenset(n for n in names if n and n not in _WILDCARDS)
         self._known: dict[bytes, bool] = {}
 
@@ -67,9 +67,19 @@ class HostCheck:
         if name in self.names or name == "localhost":
             return True
         try:
-            return ipaddress.ip_address(name).is_loopback
+            ip = ipaddress.ip_address(name)
         except ValueError:
             return False
+        return ip.is_loopback or str(ip) in self.names  # an IPv6 address may be written several ways
+
+
+def _configured(entry: str) -> str:
+    """A configured name or address as ``HostCheck`` compares it: an IP address (IPv6 with or without
+    brackets) in its canonical form, a name lower-cased without a port."""
+    try:
+        return str(ipaddress.ip_address(entry.strip().strip("[]")))
+    except ValueError:
+        return host_name(entry.strip()) or ""
 
 
 class Edge:
