@@ -102,6 +102,14 @@ def test_the_alert_log_and_alert_fields_are_bounded() -> None:
     big["startsAt"] = "2" * 1000
     assert client.post("/v1/alertmanager", json=payload(big), headers=AUTH).status_code == 422
     assert len(agent.alert_log) == 3
+    assert agent.stats.refusals["invalid_request"] == 2
+
+
+def test_a_request_body_over_max_request_bytes_is_413_and_counted() -> None:
+    agent, client = make(max_request_bytes=1000)
+    r = client.post("/v1/alertmanager", content=b" " * 1001, headers={**AUTH, "Content-Type": "application/json"})
+    assert (r.status_code, r.json()["detail"]) == (413, "Request body of 1001 bytes is over the limit of 1000 bytes.")
+    assert agent.stats.refusals["max_request_bytes"] == 1
 
 
 def test_a_body_with_more_samples_than_the_bound_is_413_before_it_is_parsed() -> None:

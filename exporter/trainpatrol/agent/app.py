@@ -103,8 +103,8 @@ class BodyLimit:
     A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` cost more CPU than a push itself.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[str], None] = lambda reason: None) -> None:
+        self.app, self.limit, self.refused = app, limit, refused
 
     def _detail(self, length: str) -> str:
         return f"Request body of {length} bytes is over the limit of {self.limit} bytes."
@@ -115,6 +115,7 @@ class BodyLimit:
             return
         length = Headers(scope=scope).get("content-length", "0")
         if not length.isdigit() or int(length) > self.limit:
+            self.refused("max_request_bytes")
             await JSONResponse({"detail": self._detail(length)}, status_code=413)(scope, receive, send)
             return
         seen = 0
@@ -124,6 +125,7 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:  # FastAPI re-raises an HTTPException from the body read as it is
+                self.refused("max_request_bytes")
                 raise HTTPException(413, self._detail(f"more than {self.limit}"))
             return message
 
@@ -240,6 +242,8 @@ class Agent:
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             if request.url.path == "/v1/push":
                 self.stats.count("pushes", "invalid")
+            else:  # a webhook or an action with fields out of bounds or not printable, say
+                self.stats.count("refusals", "invalid_request")
             errors = shortened(list(exc.errors()))
             first = errors[0] if errors else {}
             where = ".".join(str(x) for x in first.get("loc", ()))
@@ -247,7 +251,8 @@ class Agent:
             # the input echoed may hold NaN or a lone surrogate, which JSONResponse cannot write
             return JSONResponse({"detail": message, "errors": jsonable(jsonable_encoder(errors))}, status_code=422)
 
-        app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)
+        app.add_middleware(BodyLimit, limit=cfg.max_request_bytes,
+                           refused=lambda reason: self.stats.count("refusals", reason))
 
         # /healthz, /metrics and /v1/push are answered by agent.hotpath before a request reaches
         # FastAPI; these routes document them in the OpenAPI schema, and answer HEAD
