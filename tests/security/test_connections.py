@@ -119,3 +119,16 @@ def test_silent_slow_header_and_slow_body_connections_are_closed_after_their_tim
             for s in group:
                 if s is not None:
                     s.close()
+        # headers without end, sent at once: closed when they pass max_header_bytes, not at the timeout
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            started = time.monotonic()
+            s.sendall(b"GET /healthz HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 70_000 + b"\r\n")
+            assert _closed_by_peer(s, 2.0) and time.monotonic() - started < 0.9
+        # a push whose headers and 200 kB body come in one piece is no header flood
+        body = b'{"run": "r1", "rank": 0, "host": "' + b"h" * 200 + b'"}' + b" " * 200_000
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(f"POST /v1/push HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+        metrics = raw(port, "GET", "/metrics", f"127.0.0.1:{port}")[1]["text"]
+        assert 'trainpatrol_refused_requests_total{reason="header_too_large"} 1.0' in metrics

@@ -79,6 +79,7 @@ class AgentConfig:
     max_connections: int = 256
     header_timeout_seconds: float = 10.0
     body_timeout_seconds: float = 10.0
+    max_header_bytes: int = 65_536
     keep_alive_seconds: float = 5.0
     stream_idle_seconds: float = 60.0
     """A push stream with no byte for this long is let go; a Patrol writes about once a second."""
@@ -99,9 +100,8 @@ class AgentConfig:
             raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
         for name in ("max_runs", "max_ranks_per_run", "max_series", "max_samples_per_push", "max_label_length",
                      "max_queued_commands", "alert_log_size", "webhook_dedupe_size", "max_push_bytes",
-                     "max_request_bytes",
-                     "max_connections", "header_timeout_seconds", "body_timeout_seconds", "keep_alive_seconds",
-                     "stream_idle_seconds"):
+                     "max_request_bytes", "max_connections", "max_header_bytes", "header_timeout_seconds",
+                     "body_timeout_seconds", "keep_alive_seconds", "stream_idle_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"Config '{name}' has value {getattr(self, name)!r}. Expected a positive number.")
         unknown = [a for a in self.allowed_actions if a not in ACTIONS]

@@ -5,15 +5,16 @@ sends a request, sends its headers a byte at a time, or never finishes its body:
 connections under ``ulimit -n 1024`` made every new one fail, /healthz and scrapes included. Here:
 
 - a request's headers must be in within ``header_timeout`` of the connection opening (or of the
-  last response), and its body within ``body_timeout`` of its headers; the push stream's body
+  last response), and be at most ``max_header_bytes`` (httptools sets no limit); its body must be in
+  within ``body_timeout`` of its headers; the push stream's body
   never ends, and its own idle timeout (agent.push_stream) lets a silent one go;
 - over ``max_connections``, the connection that has sent nothing for longest is closed to make room,
   unless the agent is answering its request (then the next stalest; the new one when all are being
   answered). A flood of silent or slow connections thus gives way to the next scrape, and a rank's
   stream, which writes about once a second, is never the stalest.
 
-Each is counted in ``trainpatrol_refused_requests_total{reason}`` (header_timeout, body_timeout,
-connections). ``raise_open_files_limit`` lifts the soft RLIMIT_NOFILE to the hard one at start.
+Each is counted in ``trainpatrol_refused_requests_total{reason}`` (header_timeout, header_too_large,
+body_timeout, connections). ``raise_open_files_limit`` lifts the soft RLIMIT_NOFILE to the hard one at start.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class ConnectionLimits:
     max_connections: int = 256
     header_timeout: float = 10.0
     body_timeout: float = 10.0
+    max_header_bytes: int = 65_536
 
 
 def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -> type[HttpToolsProtocol]:
@@ -46,6 +48,8 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
         """When the peer last sent something."""
         _answering = False
         """A whole request is in and the agent works on its answer."""
+        _header_bytes: int | None = 0
+        """Bytes received since the request began, while its headers are not complete (None after)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -61,7 +65,14 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
 
         def data_received(self, data: bytes) -> None:
             self._heard = self.loop.time()
+            if self._header_bytes is not None:
+                self._header_bytes += len(data)
             super().data_received(data)
+            # still in the headers after parsing this chunk (a chunk that ends them sets None)
+            if self._header_bytes is not None and self._header_bytes > limits.max_header_bytes \
+                    and not self.transport.is_closing():
+                refused("header_too_large")
+                self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -69,6 +80,7 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._header_bytes = None
             super().on_headers_complete()
             if self.scope.get("path") != STREAM_PATH:
                 self._arm(limits.body_timeout, "body_timeout")
@@ -80,6 +92,7 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
 
         def on_response_complete(self) -> None:
             self._answering = False
+            self._header_bytes = 0
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm(limits.header_timeout, "header_timeout")

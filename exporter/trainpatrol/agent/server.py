@@ -69,7 +69,8 @@ def serve(config: AgentConfig) -> None:
             return True
         return False
 
-    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds)
+    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds,
+                              config.max_header_bytes)
     log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
     try:
         protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
