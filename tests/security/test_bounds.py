@@ -124,3 +124,12 @@ def test_a_body_with_more_samples_than_the_bound_is_413_before_it_is_parsed() ->
     tricky = snapshot(samples=[info(host='"name" "name" "name"')])
     assert client.post("/v1/push", json=tricky, headers=AUTH).status_code == 200
     assert agent.stats.refusals["max_samples_per_push"] == 2 and agent.stats.pushes["refused"] == 2
+
+
+def test_the_default_bounds_refuse_a_seventeenth_run_and_a_push_of_1025_samples() -> None:
+    agent, client = make()
+    for i in range(16):
+        assert client.post("/v1/push", json=snapshot(f"run{i}"), headers=AUTH).status_code == 200
+    assert client.post("/v1/push", json=snapshot("run16"), headers=AUTH).status_code == 429
+    assert client.post("/v1/push", json=snapshot("run0", samples=[loss()] * 1025), headers=AUTH).status_code == 413
+    assert len(agent.store.entries()) == 16
