@@ -88,6 +88,19 @@ def test_a_wrong_token_with_a_large_body_is_401_before_the_body_arrives(tmp_path
                 assert time.monotonic() - started < 1.5
 
 
+def _answer(s: socket.socket) -> bytes:
+    """One whole HTTP answer (status line, headers and its Content-Length of body) from ``s``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(4096)
+    return head
+
+
 def _closed_by_peer(s: socket.socket, within: float) -> bool:
     """Did the agent close ``s`` (the agent sends nothing before it does) within ``within`` seconds?"""
     s.settimeout(within)
@@ -130,5 +143,13 @@ def test_silent_slow_header_and_slow_body_connections_are_closed_after_their_tim
             s.sendall(f"POST /v1/push HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+        # a body the agent refused by its Content-Length, still streaming in, is no header flood either
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(f"POST /v1/push HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                      "Content-Length: 900000\r\n\r\n".encode())
+            assert _answer(s).startswith(b"HTTP/1.1 413 ")
+            s.sendall(b" " * 900_000)
+            s.sendall(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            assert _answer(s).startswith(b"HTTP/1.1 200 ")
         metrics = raw(port, "GET", "/metrics", f"127.0.0.1:{port}")[1]["text"]
         assert 'trainpatrol_refused_requests_total{reason="header_too_large"} 1.0' in metrics

@@ -50,6 +50,9 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
         """A whole request is in and the agent works on its answer."""
         _header_bytes: int | None = 0
         """Bytes received since the request began, while its headers are not complete (None after)."""
+        _body_in = _answered = False
+        """This request's body is all in; its answer is all out. The answer may come first (a 413 by
+        Content-Length): the next request begins once both are done."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -80,22 +83,31 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
 
         def on_headers_complete(self) -> None:
             self._disarm()
-            self._header_bytes = None
+            self._header_bytes, self._body_in, self._answered = None, False, False
             super().on_headers_complete()
             if self.scope.get("path") != STREAM_PATH:
                 self._arm(limits.body_timeout, "body_timeout")
 
         def on_message_complete(self) -> None:
             self._disarm()
-            self._answering = True
+            self._body_in = True
+            if self._answered:
+                self._next_request()
+            else:
+                self._answering = True
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
+            self._answered = True
             self._answering = False
-            self._header_bytes = 0
+            if self._body_in:
+                self._next_request()
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm(limits.header_timeout, "header_timeout")
+
+        def _next_request(self) -> None:
+            self._header_bytes = 0
 
         def _arm(self, seconds: float, reason: str) -> None:
             self._disarm()
