@@ -18,6 +18,13 @@ kept-open ``/v1/push/stream`` per rank, whole snapshot first, then deltas) or ``
 ``POST /v1/push`` per push, whole snapshots). The agent's CPU share
 covers everything it does: pushes, scrapes and NVML sampling. To see where it goes, attach
 ``py-spy record -p <agent pid>`` during a run (cProfile sees only uvicorn's main thread).
+
+``--hostile`` runs a bounded hostile load beside the honest ranks, from a process of its own
+(``hostile_load``): new runs and new ranks until the agent's bounds refuse them, 0.9 MB pushes and
+0.25 MB ones of 1,000 samples,
+webhooks for runs it does not host (some with half a megabyte of annotations), requests with a
+foreign Host header, and 100 connections that never send a request, reopened as the agent lets them
+go. It reports what the agent answered, by kind and status.
 """
 
 from __future__ import annotations
@@ -187,6 +194,95 @@ class RankSim:
         self.conn = None
 
 
+HOSTILE_IDLE_CONNECTIONS = 100
+
+
+def hostile_load(port: int, template: dict[str, Any], stop: Any, report: Any) -> None:
+    """About 10 hostile requests a second and 100 silent connections, until ``stop``; puts the
+    statuses the agent answered, by kind, on ``report``."""
+    from collections import Counter
+
+    answers: dict[str, Counter[str]] = {}
+    slowest: dict[str, float] = {}
+    idle: list[socket.socket] = []
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+    big = copy.deepcopy(template)
+    big["samples"] = [dict(s, labels=dict(s["labels"])) for s in template["samples"]] * 56  # about 0.9 MB
+    big_body = json.dumps(big).encode()
+    many = dict(big, samples=big["samples"][: len(template["samples"]) * 14])  # about 0.25 MB: read and parsed
+    many_body = json.dumps(many).encode()
+    note = "x" * 500_000
+
+    def send(kind: str, method: str, path: str, body: Any = None, host: str = "") -> None:
+        nonlocal conn
+        data = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
+        start = time.perf_counter()
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            status = str(resp.status)
+            if resp.getheader("connection", "").lower() == "close":
+                conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            status = type(exc).__name__
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+        answers.setdefault(kind, Counter())[status] += 1
+        slowest[kind] = max(slowest.get(kind, 0.0), round((time.perf_counter() - start) * 1000, 1))
+
+    def alert(run: str, n: int, annotation: str) -> dict[str, Any]:
+        return {"version": "4", "status": "firing", "alerts": [{
+            "status": "firing", "labels": {"alertname": "TrainPatrolNonFiniteLoss", "run": run, "action": "stop"},
+            "annotations": {"summary": annotation}, "startsAt": f"2026-12-01T00:00:{n % 60:02d}Z",
+            "fingerprint": f"{n:016x}"}]}
+
+    n = 0
+    while not stop.is_set():
+        n += 1
+        started = time.monotonic()
+        send("new_run", "POST", "/v1/push", dict(template, run=f"evil-{n}", rank=0, world_size=1))
+        for i in range(2):
+            send("new_rank", "POST", "/v1/push", dict(template, run="evil-ranks", rank=2 * n + i,
+                                                      world_size=1_000_000))
+        if n % 2 == 0:
+            send("big_push", "POST", "/v1/push", big_body)
+        else:
+            send("many_samples_push", "POST", "/v1/push", many_body)
+        send("webhook_unknown_run", "POST", "/v1/alertmanager", alert(f"gone-{n}", n, "Loss is NaN."))
+        send("webhook_big_annotation", "POST", "/v1/alertmanager", alert(f"gone-{n}", n, note))
+        for _ in range(4):
+            send("foreign_host", "GET", "/v1/runs", host="attacker.example")
+        idle = [s for s in idle if _still_open(s)]
+        while len(idle) < HOSTILE_IDLE_CONNECTIONS:
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=1.0))
+            except OSError:
+                answers.setdefault("idle_connection", Counter())["refused"] += 1
+                break
+        stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
+    for s in idle:
+        s.close()
+    conn.close()
+    report.put({kind: {**dict(sorted(c.items())), "slowest_ms": slowest.get(kind)}
+                for kind, c in sorted(answers.items())})
+
+
+def _still_open(s: socket.socket) -> bool:
+    """False once the agent closed it (or reset it); closes it then."""
+    try:
+        s.setblocking(False)
+        closed = s.recv(1) == b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        closed = True
+    if closed:
+        s.close()
+    return not closed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -228,7 +324,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, Any], transport: str,
-            log_dir: Path, nvml: bool = True, bare_bytes: int = 0) -> dict[str, Any]:
+            log_dir: Path, nvml: bool = True, bare_bytes: int = 0, hostile: float = 0.0) -> dict[str, Any]:
     """One configuration against the agent, or, with ``bare_bytes``, against bench/bare_agent.py
     serving a /metrics body of that size."""
     port = free_port()
@@ -245,12 +341,18 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("l", [0, 0])
     pusher = ctx.Process(target=push_ranks, args=(port, template, ranks, transport, stop, counts), daemon=True)
+    hostile_report = ctx.Queue()
+    attacker = ctx.Process(target=hostile_load, args=(port, template, stop, hostile_report), daemon=True)
+    hostile_answers: dict[str, Any] = {}
     try:
         wait_until("agent /healthz", lambda: get_once(port, "/healthz"), 30)
         pusher.start()
         wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks, nvml and not bare_bytes,
                                                                        transport if bare_bytes else ""), 30)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+        if hostile:  # seconds for it to fill what the bounds let it fill, before measuring
+            attacker.start()
+            time.sleep(hostile)
         time.sleep(2.0)  # let every rank push at least twice before measuring
         proc = psutil.Process(agent.pid)
         pushed_before = counts[0]
@@ -277,6 +379,10 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         conn.close()
     finally:
         stop.set()
+        if attacker.pid is not None:
+            with contextlib.suppress(Exception):
+                hostile_answers = hostile_report.get(timeout=15)
+            attacker.join(10)
         if pusher.pid is not None:
             pusher.join(10)
         agent.terminate()
@@ -312,7 +418,16 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         "exposition_bytes": size,
         "series": sum(1 for line in text.splitlines() if line and not line.startswith("#")),
         "collector_duration_seconds": _collector_durations(text),
+        **({"hostile_answers": hostile_answers, "refused_requests": _refusals(text),
+            "hostile_started_seconds_before": hostile} if hostile else {}),
     }
+
+
+def _refusals(text: str) -> dict[str, float]:
+    """``trainpatrol_refused_requests_total`` by reason."""
+    prefix = "trainpatrol_refused_requests_total{"
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix)}
 
 
 def _thread_cpu(proc: psutil.Process) -> dict[str, float]:
@@ -333,7 +448,7 @@ def _ready(port: int, ranks: int, nvml: bool, bare_transport: str = "") -> bool:
         streams = json.loads(get_once(port, "/healthz"))["streams"]
         return streams == (ranks if bare_transport == "stream" else 0)
     runs = json.loads(get_once(port, "/v1/runs"))["runs"]
-    hosted = sum(len(r["ranks"]) for r in runs)
+    hosted = sum(len(r["ranks"]) for r in runs if r["run"] == "bench")
     nvml_ok = 'trainpatrol_collector_success{collector="nvml"} 1.0' in get_once(port, "/metrics").decode()
     return hosted == ranks and (nvml_ok or not nvml)
 
@@ -356,6 +471,9 @@ def main() -> None:
     parser.add_argument("--no-nvml", dest="nvml", action="store_false", help="an agent without the NVML collector")
     parser.add_argument("--baseline", action="store_true",
                         help="after each configuration, the same load on bench/bare_agent.py (the server alone)")
+    parser.add_argument("--hostile", type=float, default=0.0, metavar="SECONDS",
+                        help="a bounded hostile load beside the ranks (hostile_load), started SECONDS before the "
+                             "measurement so that it has filled what the bounds let it fill (40 does)")
     parser.add_argument("--transport", default="stream",
                         help="comma-separated: stream (Patrol's default) and/or request (a POST per push)")
     args = parser.parse_args()
@@ -365,7 +483,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for transport in args.transport.split(","):
             for ranks in (int(x) for x in args.ranks.split(",")):
-                result = measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp), args.nvml)
+                result = measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp), args.nvml,
+                                 hostile=args.hostile)
                 results.append(result)
                 if args.baseline:  # the same load on the bare server, straight after
                     bare = measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp),
@@ -379,7 +498,7 @@ def main() -> None:
         checks = {"rss_mb": r["rss_mb_peak"] <= TARGETS["rss_mb"]}
         if r["scrapes"]:
             checks["p99_ms"] = r["scrape_ms_p99"] <= TARGETS["p99_ms"]
-        if r["ranks"] == 64 and r["nvml"] and r["scrape_hz"] == 10.0:
+        if r["ranks"] == 64 and r["nvml"] and r["scrape_hz"] == 10.0 and "hostile_answers" not in r:
             checks["cpu_core_share"] = r["cpu_core_share"] <= TARGETS["cpu_core_share_at_64"]
         for name, ok in checks.items():
             key = f"{name}_at_{r['ranks']}_{r['transport']}"
@@ -390,7 +509,7 @@ def main() -> None:
         "setup": {"gpus": 8 if args.nvml else 0, "nvml_fake_delays_seconds": DELAYS, "nvml_pcie": args.nvml,
                   "nvml_interval_seconds": 1.0,
                   "push_hz_per_rank": 1.0, "steps_per_push": 30, "scrape_hz": args.scrape_hz,
-                  "seconds_per_config": seconds,
+                  "seconds_per_config": seconds, "hostile": args.hostile,
                   "samples_per_push": len(template["samples"]), "push_bytes": len(json.dumps(template))},
         "results": results,
         "bare_server_results": bare_runs,

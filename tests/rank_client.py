@@ -23,7 +23,7 @@ def make_agent(clock: Clock | None = None, **overrides: Any) -> Agent:
 
 def loopback(agent: Agent) -> TestClient:
     """A client on 127.0.0.1: pushes need no agent token from here."""
-    return TestClient(agent.app, client=LOOPBACK)
+    return TestClient(agent.app, client=LOOPBACK, base_url="http://localhost")
 
 
 def snapshot(run: str = "train", rank: int = 0, *, namespace: str = "", world_size: int = 2,

@@ -33,7 +33,7 @@ def test_cli_actions_and_status_with_a_token_file(tmp_path: Path) -> None:
         ok = cli("checkpoint", "cli-run", "--agent", url, "--token-file", str(token), "--reason", "from test")
         assert ok.returncode == 0 and ok.stdout.startswith("checkpoint queued for run cli-run (id ")
         assert ok.stdout.endswith("; 1 live rank)\n"), ok.stdout
-        pending = http_json(f"{url}/v1/runs/cli-run")["pending_commands"]
+        pending = http_json(f"{url}/v1/runs/cli-run", token="cli-secret")["pending_commands"]
         assert [(c["action"], c["reason"], c["source"]) for c in pending] == [("checkpoint", "from test", "api")]
         status = cli("status", "--agent", url, "--token-file", str(token))
         assert status.returncode == 0
@@ -50,14 +50,14 @@ def test_cli_action_for_a_run_no_live_rank_serves_says_so_in_one_line(tmp_path: 
         patrol = scripted_patrol(tmp_path, url, run="ended", token="cli-secret")
         run_scripted(patrol, [1.0] * 3)
         patrol.close()  # its final push says closed
-        assert http_json(f"{url}/v1/runs/ended")["state"] == "closed"
+        assert http_json(f"{url}/v1/runs/ended", token="cli-secret")["state"] == "closed"
         for run in ("ended", "never-seen"):
             for action in ("pause", "resume", "checkpoint", "stop", "capture", "empty-cache"):
                 result = cli(action, run, "--agent", url, "--token-file", str(token))
                 assert result.returncode == 1, (action, run, result)
                 assert result.stderr == f"no live rank of run {run} on this agent\n", (action, run, result.stderr)
                 assert result.stdout == ""
-        assert http_json(f"{url}/v1/runs/ended")["pending_commands"] == []
+        assert http_json(f"{url}/v1/runs/ended", token="cli-secret")["pending_commands"] == []
 
 
 def test_cli_reports_an_unreachable_agent() -> None:

@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import urllib.error
@@ -50,6 +51,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+"""What a terminal acts on rather than shows: C0/C1 controls (escape sequences), line separators,
+direction marks and overrides, lone surrogates. The agent refuses them; an old or hostile one may not."""
+
+
+def clean(text: object) -> str:
+    """``text`` as a string without what a terminal would act on."""
+    return _UNPRINTABLE.sub("", str(text))
+
+
 def _agent_url(value: str) -> str:
     parsed = urllib.parse.urlparse(value)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -87,6 +98,9 @@ def _agent_parser(sub: Any) -> None:
     p.add_argument("--allowed-actions", help="comma-separated actions webhooks and the API may request")
     p.add_argument("--peers", help="comma-separated host:port of peer agents alerts may be forwarded to")
     p.add_argument("--peers-dns", help="DNS name whose addresses are peers (a headless Service)")
+    p.add_argument("--allowed-hosts", help="comma-separated Host names the agent answers to besides loopback and "
+                                           "--host (a Service name, the pod IP); others get 421")
+    p.add_argument("--api-docs", action="store_true", default=None, help="serve /docs and /openapi.json")
     p.add_argument("--nvml", dest="nvml", action="store_true", default=None, help="collect NVML metrics (default)")
     p.add_argument("--no-nvml", dest="nvml", action="store_false")
     p.add_argument("--nvml-interval", type=float, dest="nvml_interval_seconds")
@@ -169,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except CliError as exc:
-        print(f"trainpatrol {args.command}: {exc}", file=sys.stderr)
+        print(f"trainpatrol {args.command}: {clean(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -228,7 +242,7 @@ def _agent(args: argparse.Namespace) -> int:
     from .agent.server import serve
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command",) and v is not None}
-    for key in ("allowed_actions", "peers"):
+    for key in ("allowed_actions", "peers", "allowed_hosts"):
         if key in overrides:
             overrides[key] = tuple(x.strip() for x in overrides[key].split(",") if x.strip())
     try:
@@ -317,7 +331,8 @@ def _action(args: argparse.Namespace) -> int:
         return 1
     live = int(reply.get("live_ranks", 0))
     how = "already queued" if reply.get("coalesced") else "queued"  # one not yet acted on stands for this one
-    print(f"{args.action} {how} for run {args.run} (id {reply['id']}; {live} live rank{'' if live == 1 else 's'})")
+    ranks = f"{live} live rank{'' if live == 1 else 's'}"
+    print(clean(f"{args.action} {how} for run {args.run} (id {reply['id']}; {ranks})"))
     return 0
 
 
@@ -327,7 +342,7 @@ def _detail(body: str) -> str:
         detail = json.loads(body).get("detail")
     except (ValueError, AttributeError):
         return ""
-    return detail if isinstance(detail, str) and detail and "\n" not in detail else ""
+    return clean(detail) if isinstance(detail, str) and detail and "\n" not in detail else ""
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -351,13 +366,15 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _status_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """The table ``trainpatrol status`` prints; every value from the agent is cleaned first."""
     rows = [f"{'RUN':<20} {'STATE':<10} {'RANK':>5} {'RANK STATE':<10} {'STEP':>8} {'HOST':<20} LAST ACTION"]
     for run in runs:
         last = run.get("last_action") or {}
-        summary = f"{last.get('action', '-')} {last.get('outcome', '')} @{last.get('step', '')}" if last else "-"
+        summary = clean(f"{last.get('action', '-')} {last.get('outcome', '')} @{last.get('step', '')}") if last else "-"
+        name, state = clean(run["run"]), clean(run["state"])
         for r in run["ranks"]:
-            rows.append(f"{run['run']:<20} {run['state']:<10} {r['rank']:>5} {r['state']:<10} {r['step']:>8} "
-                        f"{r['host'][:20]:<20} {summary}")
+            rows.append(f"{name:<20} {state:<10} {clean(r['rank']):>5} {clean(r['state']):<10} {clean(r['step']):>8} "
+                        f"{clean(r['host'])[:20]:<20} {summary}")
         if run.get("last_checkpoint"):
-            rows.append(f"{'':<20} last checkpoint: {run['last_checkpoint']}")
+            rows.append(f"{'':<20} last checkpoint: {clean(run['last_checkpoint'])}")
     return rows

@@ -121,8 +121,11 @@ def _validate(model: nn.Module, data: TensorDataset, device: torch.device) -> fl
     return loss
 
 
-def _get(agent_url: str, path: str) -> Any:
-    with urllib.request.urlopen(agent_url + path, timeout=2) as r:
+def _get(agent_url: str, path: str, token: str = "") -> Any:
+    req = urllib.request.Request(agent_url + path)
+    if token:  # read routes need the token whenever the agent has one
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=2) as r:
         return json.loads(r.read())
 
 
@@ -146,18 +149,18 @@ def _print_mission_metrics(agent_url: str, run: str) -> None:
             print(f"[demo]   {line}", flush=True)
 
 
-def _run_state(agent_url: str, run: str) -> str:
+def _run_state(agent_url: str, run: str, token: str = "") -> str:
     try:
-        return str(_get(agent_url, f"/v1/runs/{run}")["state"])
+        return str(_get(agent_url, f"/v1/runs/{run}", token)["state"])
     except Exception:
         return "unknown"
 
 
-def _describe_pause(agent_url: str, run: str, fault_time: float | None) -> str:
+def _describe_pause(agent_url: str, run: str, fault_time: float | None, token: str = "") -> str:
     """Where, when and why the run paused, from the agent and the pause's evidence bundle."""
     seen = time.time()  # polled every 0.25 s: at most that late
     try:
-        status = _get(agent_url, f"/v1/runs/{run}")
+        status = _get(agent_url, f"/v1/runs/{run}", token)
         last = status["last_action"] or {}
         trigger = json.loads((Path(last["evidence"]) / "trigger.json").read_text())
     except Exception:
@@ -180,12 +183,13 @@ def _auto_resume(agent_url: str, run: str, after: float, stop: threading.Event, 
     """Acts like the operator: once the run is paused, wait, then ask the agent to resume it."""
     resume = f"trainpatrol resume {run} --agent {agent_url}" + (f" --token-file {token_file}" if token_file else "")
     while not stop.wait(0.25):
-        if _run_state(agent_url, run) != "paused":
+        if _run_state(agent_url, run, token) != "paused":
             continue
-        print(f"[demo] run {run} is paused {_describe_pause(agent_url, run, (fault or {}).get('time'))}", flush=True)
+        where = _describe_pause(agent_url, run, (fault or {}).get("time"), token)
+        print(f"[demo] run {run} is paused {where}", flush=True)
         if after <= 0:
             print(f"[demo] inspect it (`trainpatrol status --agent {agent_url}`), then run `{resume}`.", flush=True)
-            while not stop.wait(0.25) and _run_state(agent_url, run) == "paused":
+            while not stop.wait(0.25) and _run_state(agent_url, run, token) == "paused":
                 pass
             continue
         print(f"[demo] inspect it, e.g. `trainpatrol status --agent {agent_url}`. Resuming in {after:g} s "
@@ -199,7 +203,7 @@ def _auto_resume(agent_url: str, run: str, after: float, stop: threading.Event, 
             req.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(req, timeout=5) as r:
             r.read()
-        while not stop.wait(0.25) and _run_state(agent_url, run) == "paused":
+        while not stop.wait(0.25) and _run_state(agent_url, run, token) == "paused":
             pass
 
 

@@ -6,16 +6,40 @@ Cumulative values travel as totals, so an agent restart loses nothing: the next 
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from math import copysign
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .catalogue import RANK_METRICS, STEP_DURATION_BUCKETS
 from .control.actions import Action
 
 RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+"""For pydantic (whose ``$`` is the end of the text); Python code tests names with ``valid_run``."""
+_RUN = re.compile(RUN_PATTERN)
+
+
+def valid_run(run: str) -> bool:
+    """Is ``run`` a run name? A full match: Python's ``$`` also matches before a final newline."""
+    return _RUN.fullmatch(run) is not None
+
+
+NOT_PRINTABLE = ("is not printable UTF-8: control characters, line separators, direction overrides and lone "
+                 "surrogates are refused")
+
+
+def printable(value: str) -> str:
+    """``value`` if it prints as it reads: no terminal escapes, newlines, bidi overrides or lone surrogates
+    (which no UTF-8 writer can encode, so every later answer that holds them would fail)."""
+    if not value.isprintable():
+        raise ValueError(f"{value[:64]!r} {NOT_PRINTABLE}.")
+    return value
+
+
+Text = Annotated[str, AfterValidator(printable)]
+"""A name, path or label value that the agent stores, serves and a terminal prints."""
 DNS_LABEL = r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$"
 """A Kubernetes namespace or container name (RFC 1123 label), or empty off Kubernetes."""
 DNS_NAME = r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?$"
@@ -86,9 +110,9 @@ class ActionRecord(BaseModel):
     outcome: Literal["ok", "failed", "skipped"]
     step: int
     time: float
-    detail: str = ""
-    checkpoint: str = ""
-    evidence: str = ""
+    detail: Text = Field(default="", max_length=4096)
+    checkpoint: Text = Field(default="", max_length=4096)
+    evidence: Text = Field(default="", max_length=4096)
 
 
 class RankSnapshot(BaseModel):
@@ -99,11 +123,11 @@ class RankSnapshot(BaseModel):
     rank: int = Field(ge=0, le=1_000_000)
     local_rank: int = Field(default=0, ge=0, le=100_000)
     world_size: int = Field(default=1, ge=1, le=1_000_001)
-    host: str = Field(default="", max_length=253)
+    host: Text = Field(default="", max_length=253)
     pid: int = Field(default=0, ge=0)
-    instance: str = Field(default="", max_length=64)
+    instance: Text = Field(default="", max_length=64)
     """Random per Patrol object: a new Patrol in the same process is a new sequence of pushes."""
-    gpu_uuid: str = Field(default="", max_length=128)
+    gpu_uuid: Text = Field(default="", max_length=128)
     namespace: str = Field(default="", pattern=DNS_LABEL)
     """The workload's identity on Kubernetes (probe.workload): on every series of the rank."""
     pod: str = Field(default="", pattern=DNS_NAME)
@@ -121,8 +145,8 @@ class RankSnapshot(BaseModel):
     actions: list[ActionRecord] = Field(default_factory=list, max_length=64)
     """The latest action records, newest last."""
     done_commands: list[int] = Field(default_factory=list, max_length=1024)
-    last_checkpoint: str = ""
-    evidence_dir: str = ""
+    last_checkpoint: Text = Field(default="", max_length=4096)
+    evidence_dir: Text = Field(default="", max_length=4096)
 
     @field_validator("samples")
     @classmethod
@@ -136,6 +160,9 @@ class RankSnapshot(BaseModel):
             if s.labels.keys() != expected:
                 raise ValueError(f"samples.{i}: Metric {s.name!r} has labels {sorted(s.labels)}; "
                                  f"expected {sorted(expected)}.")
+            for name, value in s.labels.items():
+                if not value.isprintable():
+                    raise ValueError(f"samples.{i}: Label {name!r} {value[:64]!r} {NOT_PRINTABLE}.")
         return samples
 
     @model_validator(mode="after")
@@ -202,4 +229,4 @@ class PushReply(BaseModel):
 class ActionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     action: Action
-    reason: str = Field(default="", max_length=1024)
+    reason: Text = Field(default="", max_length=1024)

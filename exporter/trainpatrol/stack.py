@@ -242,7 +242,8 @@ class Stack:
 
     def alerts(self) -> list[dict[str, Any]]:
         """What the agent's webhook received (GET /v1/alerts), oldest first."""
-        with urllib.request.urlopen(self.agent_url + "/v1/alerts", timeout=5) as r:
+        req = urllib.request.Request(self.agent_url + "/v1/alerts", headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
             return list(json.loads(r.read())["alerts"])
 
     def stop(self) -> None:

@@ -17,7 +17,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def make_agent(**overrides: Any) -> tuple[Agent, TestClient]:
     agent = Agent(AgentConfig(token=TOKEN, nvml=False, **overrides).load())
-    return agent, TestClient(agent.app)
+    return agent, TestClient(agent.app, base_url="http://localhost")
 
 
 def push(client: TestClient, run: str = "r1", rank: int = 0, **extra: Any) -> Any:
@@ -195,17 +195,17 @@ def test_run_status_shows_ranks_and_last_action() -> None:
          actions=[{"id": 7, "action": "pause", "outcome": "ok", "step": 12, "time": 1.0}])
     push(client, rank=1, state="paused", step=12,
          actions=[{"id": 7, "action": "pause", "outcome": "ok", "step": 12, "time": 1.0}])
-    status = client.get("/v1/runs/r1").json()
+    status = client.get("/v1/runs/r1", headers=AUTH).json()
     assert status["state"] == "paused"
     assert [(r["rank"], r["step"], r["state"]) for r in status["ranks"]] == [(0, 12, "paused"), (1, 12, "paused")]
     assert status["last_action"]["action"] == "pause" and status["last_action"]["outcome"] == "ok"
     assert status["last_checkpoint"] == "/ck/step-00000012"
-    assert client.get("/v1/runs/nope").status_code == 404
+    assert client.get("/v1/runs/nope", headers=AUTH).status_code == 404
 
 
 def test_openapi_documents_the_control_surface() -> None:
-    _, client = make_agent()
-    paths = client.get("/openapi.json").json()["paths"]
+    _, client = make_agent(api_docs=True)
+    paths = client.get("/openapi.json", headers=AUTH).json()["paths"]
     for path in ("/v1/push", "/v1/runs", "/v1/runs/{run}", "/v1/runs/{run}/actions", "/v1/alertmanager",
                  "/metrics", "/healthz"):
         assert path in paths
@@ -234,8 +234,8 @@ def test_an_action_for_a_run_with_a_live_rank_is_accepted_and_says_how_many_are_
 def test_an_action_for_a_run_no_live_rank_serves_is_refused_and_nothing_queued(
         ranks: tuple[str, ...], status: int, action: str) -> None:
     clock = Clock(T0)
-    agent = Agent(AgentConfig(token=TOKEN, nvml=False, rank_up_ttl_seconds=15.0).load(), clock=clock)
-    client = TestClient(agent.app)
+    agent = Agent(AgentConfig(token=TOKEN, nvml=False, rank_up_ttl_seconds=15.0, api_docs=True).load(), clock=clock)
+    client = TestClient(agent.app, base_url="http://localhost")
     for rank, state in enumerate(ranks):
         assert push(client, "ended", rank, state=state).status_code == 200
     clock.now = T0 + 16  # past the liveness TTL: a rank still "running" by its last push is down
@@ -245,7 +245,7 @@ def test_an_action_for_a_run_no_live_rank_serves_is_refused_and_nothing_queued(
     assert r.json()["live"] is False and r.json()["live_ranks"] == 0
     assert agent.store.pending("ended") == [] and agent.stats.commands == {}
     # the refusals are documented
-    responses = client.get("/openapi.json").json()["paths"]["/v1/runs/{run}/actions"]["post"]["responses"]
+    responses = client.get("/openapi.json", headers=AUTH).json()["paths"]["/v1/runs/{run}/actions"]["post"]["responses"]
     assert {"202", "404", "409"} <= set(responses)
 
 
@@ -260,8 +260,8 @@ def test_a_webhook_alert_for_a_run_without_a_live_rank_queues_nothing_and_answer
     """Alertmanager must not retry (2xx), the command must not wait for a rank that never comes, and
     the outcome is counted in trainpatrol_webhook_alerts_total{outcome="no_live_rank"}."""
     clock = Clock(T0)
-    agent = Agent(AgentConfig(token=TOKEN, nvml=False, rank_up_ttl_seconds=15.0).load(), clock=clock)
-    client = TestClient(agent.app)
+    agent = Agent(AgentConfig(token=TOKEN, nvml=False, rank_up_ttl_seconds=15.0, api_docs=True).load(), clock=clock)
+    client = TestClient(agent.app, base_url="http://localhost")
     for rank, state in enumerate(ranks):
         assert push(client, "ended", rank, state=state).status_code == 200
     clock.now = T0 + 16

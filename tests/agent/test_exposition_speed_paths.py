@@ -23,7 +23,7 @@ from trainpatrol.collectors.ranks import RankCollector
 from trainpatrol.nvml_fake import FakeNvml
 from trainpatrol.protocol import RankSnapshot
 
-INFO = {"local_rank": "0", "world_size": "4", "host": 'node "7" \\ \n', "gpu_uuid": "GPU-x", "device": "cuda:0",
+INFO = {"local_rank": "0", "world_size": "4", "host": 'node "7" \\ ', "gpu_uuid": "GPU-x", "device": "cuda:0",
         "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0", "launcher": "", "launcher_job": ""}
 UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0
 
@@ -223,7 +223,7 @@ def test_agent_counters_are_formatted_again_only_when_they_change() -> None:
     stats.count("pushes", "ok")
     stats.count("commands", ("pause", 'odd "source" \\ \n'))
     after = stats.collect()
-    assert [a is b for a, b in zip(first, after, strict=True)] == [True, False, True, True, False, True]
+    assert [a is b for a, b in zip(first, after, strict=True)] == [True, False, True, True, False, True, True]
     served = exposition(registry)
     assert served == generate_latest(registry)
     assert b'trainpatrol_pushes_total{outcome="ok"} 1.0' in served

@@ -46,8 +46,9 @@ MAX_EXAMPLES = 50
 
 
 def fuzzed_agent() -> Agent:
-    agent = Agent(AgentConfig(token=TOKEN, nvml=False).load())
-    client = TestClient(agent.app)
+    # the Host check and read auth stay on: schemathesis names the app "testserver", one of its names here
+    agent = Agent(AgentConfig(token=TOKEN, nvml=False, api_docs=True, allowed_hosts=("testserver",)).load())
+    client = TestClient(agent.app, base_url="http://localhost")
     for rank in (0, 1):  # a hosted run, so reads and actions find something
         assert client.post("/v1/push", json={"run": "r1", "rank": rank, "world_size": 2, "step": 3},
                            headers=AUTH).status_code == 200
@@ -60,7 +61,7 @@ def test_openapi_fuzz_no_5xx_and_schema_conformance(with_token: bool) -> None:
     # a body over the push limit (the generator writes bodies of a megabyte and more) is rightly a 413
     rejected = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
     config = SchemathesisConfig.from_dict({"checks": {"negative_data_rejection": {"expected-statuses": rejected}}})
-    schema = schemathesis.openapi.from_asgi("/openapi.json", agent.app, config=config)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", agent.app, config=config, headers=AUTH)
     headers = AUTH if with_token else {}
     sent: Counter[str] = Counter()
     statuses: Counter[int] = Counter()
@@ -94,15 +95,16 @@ def test_openapi_fuzz_no_5xx_and_schema_conformance(with_token: bool) -> None:
     assert total > 0 and all(sent[op.label] > 0 for op in operations)
     assert all(code < 500 for code in statuses)
     # the agent is still whole: it serves metrics and its seeded run
-    client = TestClient(agent.app)
+    client = TestClient(agent.app, base_url="http://localhost")
     assert client.get("/metrics").status_code == 200
-    assert client.get("/v1/runs/r1").status_code == 200
+    assert client.get("/v1/runs/r1", headers=AUTH).status_code == 200
+    assert agent.stats.refusals["host"] == 0
 
 
 def test_chunked_body_over_the_limit_is_413() -> None:
     """No Content-Length (chunked transfer): the limit still holds, counted as the body streams in."""
     agent = Agent(AgentConfig(token=TOKEN, nvml=False, max_push_bytes=1000).load())
-    client = TestClient(agent.app)
+    client = TestClient(agent.app, base_url="http://localhost")
 
     def body() -> Iterator[bytes]:
         for _ in range(100):

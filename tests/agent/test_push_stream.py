@@ -52,7 +52,7 @@ def answer(client: TestClient, data: bytes, headers: dict[str, str] = NDJSON) ->
 
 def make(**overrides: Any) -> tuple[Agent, TestClient]:
     agent = Agent(AgentConfig(token=TOKEN, nvml=False, **overrides).load())
-    return agent, TestClient(agent.app)
+    return agent, TestClient(agent.app, base_url="http://localhost")
 
 
 def values(agent: Agent, rank: int = 0) -> dict[str, float]:
@@ -193,7 +193,7 @@ def test_a_live_stream_interleaves_pushes_commands_and_ends_cleanly() -> None:
 
 
 def test_a_peer_that_goes_silent_is_let_go_and_one_that_vanishes_mid_line_costs_nothing() -> None:
-    agent = Agent(AgentConfig(nvml=False, rank_expire_seconds=0.5).load())
+    agent = Agent(AgentConfig(nvml=False, rank_expire_seconds=0.5, stream_idle_seconds=0.5).load())
     with agent_in_thread(agent.app) as port:
         silent = PushStream("127.0.0.1", port, timeout=5.0)
         silent.open()

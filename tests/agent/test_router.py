@@ -134,7 +134,7 @@ def push_rank(url: str, run: str, rank: int = 0) -> None:
 
 
 def pending(url: str, run: str) -> list[dict[str, Any]]:
-    return list(http_json(f"{url}/v1/runs/{run}")["pending_commands"])
+    return list(http_json(f"{url}/v1/runs/{run}", token=TOKEN)["pending_commands"])
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +169,13 @@ def test_forwarded_by_instance_label_pauses_the_rank(cluster: Cluster, tmp_path:
     t = threading.Thread(target=loop, daemon=True)
     t.start()
     try:
-        wait_for(lambda: http_json(f"{a2}/v1/runs/P")["ranks"], 10, what="the rank's first push")
+        wait_for(lambda: http_json(f"{a2}/v1/runs/P", token=TOKEN)["ranks"], 10, what="the rank's first push")
         before = {name: counters(url) for name, url in cluster.urls.items()}
         reply = post_alert(cluster.urls["router"], alert("P", instance=cluster.addr("a2")))
         assert [r["outcome"] for r in reply["results"]] == ["forwarded"]
         wait_for(lambda: patrol.state == "paused", 20, what="the rank pauses")
         # the paused rank's report reaches a2 with its next push, handled in a2's next batch
-        wait_for(lambda: (http_json(f"{a2}/v1/runs/P")["last_action"] or {}).get("action") == "pause", 5,
+        wait_for(lambda: (http_json(f"{a2}/v1/runs/P", token=TOKEN)["last_action"] or {}).get("action") == "pause", 5,
                  what="a2 hears the rank paused")
         after = {name: counters(url) for name, url in cluster.urls.items()}
         assert delta(after["router"]["forwarded"], before["router"]["forwarded"]) == {"ok": 1}
@@ -210,7 +210,7 @@ def test_forwarded_by_run_lookup_never_to_a_stranger(cluster: Cluster) -> None:
     assert delta(after["router"]["forwarded"], before["router"]["forwarded"]) == {"ok": 1}
     assert delta(after["a2"]["webhook"], before["a2"]["webhook"]) == {"act": 1}
     assert delta(after["a3"]["webhook"], before["a3"]["webhook"]) == {}
-    assert http_get(a3 + "/v1/runs") == b'{"runs":[]}'
+    assert http_json(a3 + "/v1/runs", token=TOKEN) == {"runs": []}
     assert cluster.spy.requests == []
 
 

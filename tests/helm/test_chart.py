@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from functools import cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -349,6 +350,29 @@ def test_router_deployment_and_service() -> None:
     assert not [d for d in _render_ci("no-router-values.yaml") if "router" in d["metadata"]["name"]]
     pdb = one(_render_ci("router-ha-values.yaml"), "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_agents_and_router_answer_to_their_pod_ip_node_ip_and_service_names_only() -> None:
+    """The Host check (agent.edge): Prometheus and probes use the pod IP, ranks the node IP (hostPort),
+    Alertmanager the router Service's name; each of them must be an allowed host, and nothing else."""
+    docs = _render_ci("default-values.yaml")
+    peers = one(docs, "Service", "agent-peers")["metadata"]["name"]
+    local = one(docs, "DaemonSet", "agent")["metadata"]["name"]  # the node-local Service's name
+    router = one(docs, "Service", "router")["metadata"]["name"]
+
+    def names(svc: str) -> list[str]:
+        return [svc, f"{svc}.{NAMESPACE}", f"{svc}.{NAMESPACE}.svc", f"{svc}.{NAMESPACE}.svc.cluster.local"]
+
+    agent = container(one(docs, "DaemonSet", "agent"))
+    assert _cli_args(agent).allowed_hosts.split(",") == ["$(POD_IP)", *names(peers), *names(local), "$(NODE_IP)"]
+    assert {"POD_IP", "NODE_IP"} <= env(agent).keys()  # defined, so Kubernetes expands them in args
+    routing = container(one(docs, "Deployment", "router"))
+    assert _cli_args(routing).allowed_hosts.split(",") == ["$(POD_IP)", *names(router)]
+    assert "POD_IP" in env(routing)
+    webhook = urllib.parse.urlparse(f"http://{router}.{NAMESPACE}.svc.cluster.local:9400")
+    assert webhook.hostname in _cli_args(routing).allowed_hosts.split(",")
+    extra = render({"allowedHosts": ["trainpatrol.example.org"]})
+    assert _cli_args(container(one(extra, "Deployment", "router"))).allowed_hosts.endswith(",trainpatrol.example.org")
 
 
 def test_peers_service_is_headless_and_selects_the_agents() -> None:

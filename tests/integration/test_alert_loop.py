@@ -136,12 +136,12 @@ def start_run(loop: Loop, tmp_path: Path) -> Iterator[Any]:
 
 
 def _alerts(loop: Loop, run: str, alertname: str) -> list[dict[str, Any]]:
-    body = http_json(loop.agent + "/v1/alerts")
+    body = http_json(loop.agent + "/v1/alerts", token=loop.token)
     return [a for a in body["alerts"] if a["run"] == run and a["alertname"] == alertname]
 
 
 def _run_state(loop: Loop, run: str) -> str:
-    return str(http_json(f"{loop.agent}/v1/runs/{run}")["state"])
+    return str(http_json(f"{loop.agent}/v1/runs/{run}", token=loop.token)["state"])
 
 
 def _check_acted(loop: Loop, run: Run, alertname: str, action: str) -> ActionRecord:

@@ -64,7 +64,7 @@ def pause_and_resume(patrol: Patrol, url: str, run: str) -> None:
 
 def rank_series(agent: Agent, run: str) -> dict[str, float]:
     """rank_up and rank_state{state} of rank 0 of ``run``, as /metrics serves them."""
-    text = TestClient(agent.app).get("/metrics").text
+    text = TestClient(agent.app, base_url="http://localhost").get("/metrics").text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

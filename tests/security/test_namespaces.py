@@ -66,7 +66,7 @@ def test_a_namespace_token_reaches_only_its_namespace() -> None:
     # from another host, the scoped token pushes for its own namespace only
     from fastapi.testclient import TestClient
 
-    remote = TestClient(agent.app)
+    remote = TestClient(agent.app, base_url="http://localhost")
     ok = remote.post("/v1/push", json=snapshot(namespace=A, rank=0),
                      headers={**scoped, "X-Trainpatrol-Run-Key": "key-a"})
     assert ok.status_code == 200

@@ -2,37 +2,47 @@
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections import OrderedDict
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..protocol import DNS_LABEL, RUN_PATTERN, Command
+from ..protocol import DNS_LABEL, Command, Text, valid_run
+
+Name = Annotated[Text, Field(max_length=256)]
+Value = Annotated[Text, Field(max_length=1024)]
+Labels = Annotated[dict[Name, Value], Field(max_length=64)]
+Annotations = Annotated[dict[Name, Annotated[Text, Field(max_length=8192)]], Field(max_length=64)]
+"""Bounded and printable: an alert's labels and annotations are stored (dedupe keys, the alert log, queued
+commands), served back by /v1/alerts and /v1/runs, and printed. Alertmanager's own stay far below."""
+Url = Annotated[str, Field(max_length=4096)]
 
 
 class Alert(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # strict: `false` is no integer
+    # unknown fields are dropped, not kept: an alert's fields travel in its command (strict: `false` is no integer)
+    model_config = ConfigDict(extra="ignore", strict=True)
     status: Literal["firing", "resolved"]
-    labels: dict[str, str]
-    annotations: dict[str, str] = Field(default_factory=dict)
-    startsAt: str
-    endsAt: str = ""
-    generatorURL: str = ""
-    fingerprint: str = Field(min_length=1, max_length=64)
+    labels: Labels
+    annotations: Annotations = Field(default_factory=dict)
+    startsAt: Annotated[Text, Field(max_length=64)]
+    endsAt: Annotated[Text, Field(max_length=64)] = ""
+    generatorURL: Url = ""
+    fingerprint: Annotated[Text, Field(min_length=1, max_length=64)]
 
 
 class WebhookPayload(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # strict: `false` is no integer
     version: Literal["4"]
-    groupKey: str = ""
-    truncatedAlerts: int = 0
+    groupKey: Url = ""
+    truncatedAlerts: int = Field(default=0, ge=0)
     status: Literal["firing", "resolved"]
-    receiver: str = ""
-    groupLabels: dict[str, str] = Field(default_factory=dict)
-    commonLabels: dict[str, str] = Field(default_factory=dict)
-    commonAnnotations: dict[str, str] = Field(default_factory=dict)
-    externalURL: str = ""
+    receiver: Name = ""
+    groupLabels: Labels = Field(default_factory=dict)
+    commonLabels: Labels = Field(default_factory=dict)
+    commonAnnotations: Annotations = Field(default_factory=dict)
+    externalURL: Url = ""
     alerts: list[Alert] = Field(max_length=1000)
 
 
@@ -74,8 +84,6 @@ class Deduper:
 
 def classify(alert: Alert, allowed: tuple[str, ...]) -> str:
     """One of: resolved, no_action, no_run, forbidden, bad_run, bad_namespace, act."""
-    import re
-
     if alert.status == "resolved":
         return "resolved"
     action = alert.labels.get("action", "")
@@ -86,8 +94,8 @@ def classify(alert: Alert, allowed: tuple[str, ...]) -> str:
     run = alert.labels.get("run", "")
     if not run:
         return "no_run"
-    if not re.match(RUN_PATTERN, run):
+    if not valid_run(run):
         return "bad_run"
-    if not re.match(DNS_LABEL, alert.labels.get("namespace", "")):
+    if not re.fullmatch(DNS_LABEL, alert.labels.get("namespace", "")):
         return "bad_namespace"
     return "act"

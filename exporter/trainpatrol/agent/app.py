@@ -18,6 +18,7 @@ for is coalesced into it (202, its id); checkpoints and captures past the run's 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from collections import deque
@@ -38,11 +39,14 @@ from ..collectors.agent_self import AgentStats
 from ..collectors.health import CollectorSet, Collects
 from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
-from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot
+from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot, valid_run
 from .alerts import Deduper, WebhookPayload
 from .auth import PUSH_REFUSED, PushProof, push_scope, require_control
+from .bounds import Bounds, Refused
 from .config import AgentConfig
+from .edge import Edge, HostCheck
 from .hotpath import HotPaths
+from .problems import jsonable, shortened
 from .push_stream import PushRefused
 from .refusals import no_live_rank, rate_limited
 from .router import FORWARDED_HEADER, Router
@@ -91,8 +95,10 @@ class NoLiveRank(Problem):
 
 _PROBLEMS = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or wrong",
              403: "Action not in the allow-list, or a namespace the token does not reach", 404: "Unknown run",
-             413: "Request body too large", 422: "Malformed request",
-             429: "The run's actions of this kind per minute are used up (Retry-After)",
+             413: "Request body too large", 421: "Host header not one of this agent's names (agent.edge)",
+             422: "Malformed request",
+             429: "Over one of the agent's bounds (agent.bounds), or the run's actions of this kind per minute are "
+                  "used up (Retry-After)",
              503: "An alert for a run on a peer could not be delivered; Alertmanager re-sends it"}
 _NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
     404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
@@ -110,8 +116,8 @@ class BodyLimit:
     A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` cost more CPU than a push itself.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[str], None] = lambda reason: None) -> None:
+        self.app, self.limit, self.refused = app, limit, refused
 
     def _detail(self, length: str) -> str:
         return f"Request body of {length} bytes is over the limit of {self.limit} bytes."
@@ -122,6 +128,7 @@ class BodyLimit:
             return
         length = Headers(scope=scope).get("content-length", "0")
         if not length.isdigit() or int(length) > self.limit:
+            self.refused("max_request_bytes")
             await JSONResponse({"detail": self._detail(length)}, status_code=413)(scope, receive, send)
             return
         seen = 0
@@ -131,6 +138,7 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:  # FastAPI re-raises an HTTPException from the body read as it is
+                self.refused("max_request_bytes")
                 raise HTTPException(413, self._detail(f"more than {self.limit}"))
             return message
 
@@ -144,8 +152,13 @@ class Agent:
     def __init__(self, config: AgentConfig, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.bounds = Bounds(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
+                             max_series=config.max_series, max_samples_per_push=config.max_samples_per_push,
+                             max_label_length=config.max_label_length,
+                             max_queued_commands=config.max_queued_commands)
         self.store = RankStore(config.rank_up_ttl_seconds, config.rank_expire_seconds,
-                               config.closed_expire_seconds, clock, action_limits=config.action_rate_limits)
+                               config.closed_expire_seconds, clock, action_limits=config.action_rate_limits,
+                               bounds=self.bounds)
         self.stats = AgentStats(config.mode)
         self.nvml = nvml
         self.ranks = RankCollector(self.store)
@@ -158,17 +171,18 @@ class Agent:
         self.registry.register(self.collectors)
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
-        self.alert_log: deque[dict[str, Any]] = deque(maxlen=200)
+        self.alert_log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
         self.webhooks = Webhooks(self)
         self.api = self._build()
         self._scraped = False
         """A scrape came since the last batch of stream lines."""
         self.last_push = time.monotonic()
         """When a rank last pushed (or the agent started): scrapes and API calls do not keep an idle agent up."""
-        self.app = HotPaths(self.api, accept=self.accept_push, stats=self.stats, config=config,
-                            max_body=config.max_push_bytes, metrics=self.metrics,
-                            health=self._health, stream_idle_seconds=config.rank_expire_seconds,
-                            after_batch=self._after_batch)
+        hot = HotPaths(self.api, accept=self.accept_push, stats=self.stats, config=config,
+                       max_body=config.max_push_bytes, metrics=self.metrics,
+                       health=self._health, stream_idle_seconds=config.stream_idle_seconds,
+                       after_batch=self._after_batch, check_body=self._check_push_body)
+        self.app = Edge(hot, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
 
     def metrics(self) -> bytes:
         """The /metrics body."""
@@ -187,19 +201,35 @@ class Agent:
                     proof: PushProof) -> list[Command]:
         """Store a valid push that ``proof`` allows and lay out its series; returns the commands for its
         reply. ``same_series_as``: a snapshot known to have the same series (a delta line's base).
-        Raises ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key."""
+        Raises ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key,
+        and ``Refused`` for a push over a bound, counted here."""
         if not proof.scope.allows(snapshot.namespace):
             self.stats.count("pushes", "wrong_namespace")
             raise PushRefused(f"The token does not reach namespace {snapshot.namespace!r}.")
         try:
+            if same_series_as is None:  # a delta's series were checked with its base
+                self.bounds.check_snapshot(snapshot)
             commands = self.store.push(snapshot, proof.key)
         except WrongRunKey as exc:
             self.stats.count("pushes", "wrong_run_key")
             raise PushRefused(str(exc)) from None
+        except Refused as exc:
+            self.stats.count("refusals", exc.reason)
+            self.stats.count("pushes", "refused")
+            raise
         self.last_push = time.monotonic()
         self.ranks.prepare(snapshot, same_series_as)
         self.stats.count("pushes", "ok")
         return commands
+
+    def _check_push_body(self, body: bytes) -> None:
+        """``Bounds.check_body``, counted."""
+        try:
+            self.bounds.check_body(body)
+        except Refused as exc:
+            self.stats.count("refusals", exc.reason)
+            self.stats.count("pushes", "refused")
+            raise
 
     def idle_for(self) -> float:
         """Seconds since a rank last pushed (or since the agent started)."""
@@ -209,7 +239,12 @@ class Agent:
         return {"status": "ok", "mode": self.config.mode, "version": __version__}
 
     def enqueue(self, command: Command) -> tuple[Enqueued, Command]:
-        outcome, standing = self.store.enqueue(command)
+        """Queue ``command`` (agent.store's outcomes); raises ``Refused`` over the queue's bound, counted."""
+        try:
+            outcome, standing = self.store.enqueue(command)
+        except Refused as exc:
+            self.stats.count("refusals", exc.reason)
+            raise
         if outcome == "queued":
             self.stats.count("commands", (command.action, command.source.split(":")[0]))
             log.info("queued %s for run %s/%s (id %d, %s): %s", command.action, command.namespace, command.run,
@@ -219,7 +254,10 @@ class Agent:
         return outcome, standing
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="trainpatrol agent", version=__version__,
+        docs = self.config.api_docs  # the schema maps the whole surface: only when asked for
+        app = FastAPI(title="trainpatrol agent", version=__version__, openapi_url="/openapi.json" if docs else None,
+                      docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                      responses=_errors(421),
                       description="Serves rank and GPU metrics to Prometheus and carries control actions "
                                   "to training ranks. See docs/runbooks.md.")
         cfg = self.config
@@ -228,13 +266,17 @@ class Agent:
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             if request.url.path == "/v1/push":
                 self.stats.count("pushes", "invalid")
-            errors = exc.errors()
+            else:  # a webhook or an action with fields out of bounds or not printable, say
+                self.stats.count("refusals", "invalid_request")
+            errors = shortened(list(exc.errors()))
             first = errors[0] if errors else {}
             where = ".".join(str(x) for x in first.get("loc", ()))
             message = f"Invalid request: {where}: {first.get('msg', 'malformed')}"
-            return JSONResponse({"detail": message, "errors": jsonable_encoder(errors)}, status_code=422)
+            # the input echoed may hold NaN or a lone surrogate, which JSONResponse cannot write
+            return JSONResponse({"detail": message, "errors": jsonable(jsonable_encoder(errors))}, status_code=422)
 
-        app.add_middleware(BodyLimit, limit=cfg.max_push_bytes)
+        app.add_middleware(BodyLimit, limit=cfg.max_request_bytes,
+                           refused=lambda reason: self.stats.count("refusals", reason))
 
         # /healthz, /metrics and /v1/push are answered by agent.hotpath before a request reaches
         # FastAPI; these routes document them in the OpenAPI schema, and answer HEAD
@@ -248,7 +290,7 @@ class Agent:
             return Response(self.metrics(), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/v1/push", response_model=PushReply, summary="One rank's snapshot",
-                  responses=_errors(400, 401, 403, 413, 422))
+                  responses=_errors(400, 401, 403, 413, 422, 429))
         async def push(request: Request, snapshot: RankSnapshot) -> PushReply:
             host = request.client.host if request.client is not None else None
             scope = push_scope(host, request.headers.get("authorization", ""), cfg)
@@ -258,14 +300,17 @@ class Agent:
             try:
                 proof = PushProof(scope, digest(request.headers.get(RUN_KEY_HEADER, "")))
                 return PushReply(commands=self.accept_push(snapshot, None, proof))
-            except PushRefused as exc:
-                raise HTTPException(403, exc.detail) from None
+            except Refused as exc:  # PushRefused (403) included
+                raise HTTPException(exc.status, exc.detail) from None
 
-        @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action")
+        @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action",
+                 responses=_errors(401))
         def runs() -> dict[str, Any]:
             return {"runs": self.store.all_runs()}
 
         def status_of(namespace: str, run: str) -> dict[str, Any]:
+            if not valid_run(run):
+                raise HTTPException(422, f"Run name {run!r} is not valid; expected {RUN_PATTERN}.")
             status = self.store.runs(namespace).get(run)
             if status is None:
                 where = f" in namespace {namespace!r}" if namespace else ""
@@ -273,22 +318,20 @@ class Agent:
             return status
 
         @app.get("/v1/runs/{run}", summary="One run's state, ranks, last action and checkpoint (empty namespace)",
-                 responses=_errors(404, 422))
+                 responses=_errors(401, 404, 422))
         def run_status(run: str) -> dict[str, Any]:
             return status_of("", run)
 
         @app.get("/v1/namespaces/{namespace}/runs/{run}", summary="One run of a namespace: state, ranks, last action",
-                 responses=_errors(404, 422))
+                 responses=_errors(401, 404, 422))
         def namespaced_run_status(namespace: str, run: str) -> dict[str, Any]:
             return status_of(namespace, run)
 
         def act(request: Request, namespace: str, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
             scope = require_control(request, cfg)
-            import re
-
-            if not re.match(RUN_PATTERN, run):
+            if not valid_run(run):
                 raise HTTPException(422, f"Run name {run!r} is not valid; expected {RUN_PATTERN}.")
-            if not re.match(DNS_LABEL, namespace):
+            if not re.fullmatch(DNS_LABEL, namespace):
                 raise HTTPException(422, f"Namespace {namespace!r} is not valid; expected a DNS label.")
             if not scope.allows(namespace):
                 raise HTTPException(403, f"The token does not reach namespace {namespace!r}.")
@@ -304,7 +347,10 @@ class Agent:
                                     status_code=404 if state == "unknown" else 409)
             command = Command(id=secrets.randbelow(2**31 - 2) + 1, run=run, namespace=namespace, action=body.action,
                               reason=body.reason, source="api", created=self.clock())
-            outcome, standing = self.enqueue(command)
+            try:
+                outcome, standing = self.enqueue(command)
+            except Refused as exc:
+                return JSONResponse({"detail": exc.detail}, status_code=exc.status)
             if outcome == "rate_limited":
                 limit = cfg.action_rate_limits[body.action]
                 return JSONResponse({"detail": rate_limited(run, namespace, body.action, limit)}, status_code=429,
@@ -332,11 +378,12 @@ class Agent:
             scope = require_control(request, cfg)
             return self.webhooks.handle(payload, scope, forwarded=request.headers.get(FORWARDED_HEADER) == "1")
 
-        @app.get("/v1/alerts", summary="Recently received alerts and what was done with them")
+        @app.get("/v1/alerts", summary="Recently received alerts and what was done with them",
+                 responses=_errors(401))
         def alerts() -> dict[str, Any]:
             return {"alerts": list(self.alert_log)}
 
-        @app.get("/v1/nvml", summary="The last NVML sample, for evidence bundles")
+        @app.get("/v1/nvml", summary="The last NVML sample, for evidence bundles", responses=_errors(401))
         def nvml_snapshot() -> dict[str, Any]:
             if self.nvml is None:
                 return {"available": False, "reason": "NVML collector disabled"}

@@ -45,7 +45,13 @@ def _presented(request: Request) -> str:
 
 
 def token_ok(expected: str, presented: str) -> bool:
-    return bool(expected) and hmac.compare_digest(expected.encode(), presented.encode())
+    """``presented`` as HTTP frameworks give a header: its bytes decoded as latin-1. Compared as the
+    bytes that came, against the token's UTF-8, so a non-ASCII token matches."""
+    try:
+        raw = presented.encode("latin-1")
+    except UnicodeEncodeError:  # not from a header: text as such
+        raw = presented.encode("utf-8", "surrogateescape")
+    return bool(expected) and hmac.compare_digest(expected.encode("utf-8"), raw)
 
 
 def scope_of(config: AgentConfig, presented: str) -> Scope | None:

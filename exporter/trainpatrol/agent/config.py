@@ -67,8 +67,37 @@ class AgentConfig:
     """Peer agents (host:port) this agent may forward alerts to."""
     peers_dns: str = ""
     """A DNS name (e.g. a headless Service) whose addresses, on ``port``, are peers."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host header names (besides loopback and ``host``) this agent answers to: a Service's DNS name,
+    the pod IP. Any other Host is refused with 421, so a DNS-rebound web page reaches nothing."""
+    api_docs: bool = False
+    """Serve /docs and /openapi.json (behind the token when one is set)."""
+    metrics_token: str = ""
+    """Bearer token /metrics asks for. Empty (the default): /metrics is open, as Prometheus expects."""
+    # Bounds (docs/security.md): sized for a node of 8 GPUs running a few runs, with room to spare.
+    max_runs: int = 16
+    max_ranks_per_run: int = 128
+    max_series: int = 10_000
+    """Samples held over all ranks: what /metrics has to write (a rank of a real run pushes about 100)."""
+    max_samples_per_push: int = 1024
+    max_label_length: int = 256
+    max_queued_commands: int = 64
+    """Commands waiting per run."""
+    alert_log_size: int = 200
     webhook_dedupe_size: int = 10000
-    max_push_bytes: int = 1_000_000
+    max_push_bytes: int = 262_144
+    """A push or stream line: a whole snapshot of 1024 samples fits; a Patrol's is about 7 KB. Parsing a
+    body blocks the event loop for its size (a 0.9 MB one about 40 ms), so this bound also bounds that."""
+    max_request_bytes: int = 1_000_000
+    """Any other request body: the webhook (a group of hundreds of alerts) and the control API."""
+    # Connections (agent.connections): a slow or silent peer cannot hold a descriptor for long.
+    max_connections: int = 256
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 10.0
+    max_header_bytes: int = 65_536
+    keep_alive_seconds: float = 5.0
+    stream_idle_seconds: float = 60.0
+    """A push stream with no byte for this long is let go; a Patrol writes about once a second."""
     log_level: str = "info"
     exit_when_idle_seconds: float = 0.0
     """Exit when no rank has pushed for this long (0: never). An embedded agent runs detached from the
@@ -84,6 +113,12 @@ class AgentConfig:
                               "Expected 0 (never) or more.")
         if self.mode not in ("agent", "router"):
             raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
+        for name in ("max_runs", "max_ranks_per_run", "max_series", "max_samples_per_push", "max_label_length",
+                     "max_queued_commands", "alert_log_size", "webhook_dedupe_size", "max_push_bytes",
+                     "max_request_bytes", "max_connections", "max_header_bytes", "header_timeout_seconds",
+                     "body_timeout_seconds", "keep_alive_seconds", "stream_idle_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"Config '{name}' has value {getattr(self, name)!r}. Expected a positive number.")
         unknown = [a for a in self.allowed_actions if a not in ACTIONS]
         if unknown:
             raise ConfigError(

@@ -6,10 +6,12 @@ routing, dependency solving and response models cost more CPU than the work itse
 and ``GET /healthz`` directly and hands everything else to the FastAPI app, which still documents
 these routes in its OpenAPI schema.
 Answers are those FastAPI gave: 413 over the body limit, 401 without the token, 403 for a run bound
-to another key (agent.run_keys), 422 with the validation errors under ``body``. One difference: the
-token is checked before the body is parsed.
+to another key (agent.run_keys), 422 with the validation errors under ``body``, 413/422/429 over a
+bound (agent.bounds). One difference: the token is checked before the body is read, so a wrong token
+costs no body.
 
-Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, wrong_namespace, wrong_run_key, too_large).
+Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, wrong_namespace, wrong_run_key,
+too_large, refused).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..collectors.agent_self import AgentStats
 from ..protocol import PushReply, RankSnapshot
 from .auth import PUSH_REFUSED, PushProof, push_scope
+from .bounds import Refused
 from .config import AgentConfig
 from .problems import too_large, validation_problem
-from .push_stream import NDJSON, Accept, PushRefused, PushStream
+from .push_stream import NDJSON, Accept, PushStream
 from .run_keys import RUN_KEY_HEADER, digest
 
 JSON = b"application/json"
@@ -46,13 +49,16 @@ class HotPaths:
     def __init__(self, app: ASGIApp, *, accept: Accept, stats: AgentStats,
                  config: AgentConfig, max_body: int, metrics: Callable[[], bytes],
                  health: Callable[[], dict[str, Any]], stream_idle_seconds: float,
-                 after_batch: Callable[[], None] = lambda: None) -> None:
+                 after_batch: Callable[[], None] = lambda: None,
+                 check_body: Callable[[bytes], None] = lambda body: None) -> None:
         self.app = app
         self.accept, self.stats = accept, stats
         self.config, self.max_body = config, max_body
         self.metrics, self.health = metrics, health
+        self.check_body = check_body
+        """Raises ``Refused`` for a body that is over a bound before it is parsed (agent.bounds)."""
         self.stream = PushStream(accept=accept, stats=stats, max_line=max_body, idle_seconds=stream_idle_seconds,
-                                 after_batch=after_batch)
+                                 after_batch=after_batch, check_line=check_body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -76,14 +82,19 @@ class HotPaths:
 
     async def _push(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"])
+        proof = await self._proof(scope, headers, send, (JSON,))
+        if proof is None:
+            return
         try:
             body = await self._body(headers.get(b"content-length", b"0"), receive)
         except BodyTooLarge as exc:
             self.stats.count("pushes", "too_large")
             await _problem(send, 413, exc.detail)
             return
-        proof = await self._proof(scope, headers, send, (JSON,))
-        if proof is None:
+        try:
+            self.check_body(body)
+        except Refused as exc:
+            await _problem(send, exc.status, exc.detail)
             return
         try:
             snapshot = RankSnapshot.model_validate_json(body)
@@ -94,8 +105,8 @@ class HotPaths:
             return
         try:
             commands = self.accept(snapshot, None, proof)
-        except PushRefused as exc:
-            await _problem(send, 403, exc.detail)
+        except Refused as exc:  # PushRefused (403) included; counted by accept
+            await _problem(send, exc.status, exc.detail)
             return
         reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
         await _answer(send, 200, reply, JSON)

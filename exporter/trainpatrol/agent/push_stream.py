@@ -33,6 +33,7 @@ from starlette.types import Receive, Send
 from ..collectors.agent_self import AgentStats
 from ..protocol import Command, RankSnapshot, SnapshotDelta
 from .auth import PushProof
+from .bounds import Refused
 from .problems import validation_problem
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,13 @@ Accept = Callable[[RankSnapshot, RankSnapshot | None, PushProof], list[Command]]
 None, and what its request proved; returns the commands for the rank, or raises ``PushRefused``."""
 
 
-class PushRefused(Exception):
+class PushRefused(Refused):
     """A valid push that its proof does not allow (403)."""
 
     def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
+        super().__init__(403, "run_key", detail)
+
+
 MAX_RANKS_PER_STREAM = 1024
 """Ranks whose last snapshot a stream keeps as the base of their deltas (a Patrol sends one)."""
 
@@ -76,8 +78,9 @@ class PushStream:
     one stream keep their order."""
 
     def __init__(self, *, accept: Accept, stats: AgentStats, max_line: int, idle_seconds: float,
-                 batch_seconds: float = 0.25, after_batch: Callable[[], None] = lambda: None) -> None:
-        self.accept, self.stats, self.after_batch = accept, stats, after_batch
+                 batch_seconds: float = 0.25, after_batch: Callable[[], None] = lambda: None,
+                 check_line: Callable[[bytes], None] = lambda line: None) -> None:
+        self.accept, self.stats, self.after_batch, self.check_line = accept, stats, after_batch, check_line
         self.max_line, self.idle_seconds, self.batch_seconds = max_line, idle_seconds, batch_seconds
         self.lines_per_turn = 8
         """Lines handled before a scrape waiting meanwhile gets its turn: the ranks of a node push in
@@ -101,6 +104,7 @@ class PushStream:
                 except asyncio.CancelledError:
                     if not idle.expired:
                         raise
+                    self.stats.count("refusals", "stream_idle")
                     break  # a peer silent this long is gone without a FIN: end the answer, free the task
                 idle.touch()
                 if message["type"] == "http.disconnect":
@@ -177,6 +181,13 @@ class PushStream:
                                                  "bytes; skipped to the next newline."})
             return
         try:
+            self.check_line(line)
+        except Refused as exc:  # counted by check_line
+            stream.counts["refused"] += 1
+            stream.bases.clear()
+            await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
+            return
+        try:
             delta = SnapshotDelta.model_validate_json(line)
             key = (delta.run, delta.rank)
             base = stream.bases.get(key)
@@ -191,10 +202,10 @@ class PushStream:
             return
         try:
             commands = self.accept(snapshot, like, stream.proof)
-        except PushRefused as exc:
+        except Refused as exc:  # PushRefused (403) included; counted by accept
             stream.counts["refused"] += 1
             stream.bases.pop(key, None)
-            await self._reply(stream, {"line": number, "status": 403, "detail": exc.detail})
+            await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
             return
         if key not in stream.bases and len(stream.bases) >= MAX_RANKS_PER_STREAM:
             stream.bases.pop(next(iter(stream.bases)))

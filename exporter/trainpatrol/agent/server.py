@@ -13,6 +13,7 @@ import uvicorn
 
 from .app import Agent
 from .config import AgentConfig
+from .connections import ConnectionLimits, guarded_protocol, raise_open_files_limit
 from .quiet_server import QuietServer
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,14 @@ def serve(config: AgentConfig) -> None:
             return True
         return False
 
+    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds,
+                              config.max_header_bytes)
+    log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
     try:
-        server = QuietServer(uvicorn.Config(agent.app, host=config.host, port=config.port,
+        protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
+        server = QuietServer(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
                                             log_level=config.log_level, access_log=False,
+                                            timeout_keep_alive=int(config.keep_alive_seconds) or 1,
                                             timeout_graceful_shutdown=2), should_stop=idle_too_long)
         with contextlib.suppress(KeyboardInterrupt):
             server.run()

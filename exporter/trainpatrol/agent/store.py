@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from ..protocol import ActionRecord, Command, RankSnapshot
 from .action_limits import ActionLimits
+from .bounds import Bounds
 from .run_keys import RunId, RunKeys
 
 COMMAND_TTL_SECONDS = 3600.0
@@ -44,7 +45,9 @@ class RankStore:
     Runs are (namespace, run): the same run name in two namespaces is two runs."""
 
     def __init__(self, rank_up_ttl: float = 15.0, expire_after: float = 600.0, closed_expire_after: float = 60.0,
-                 clock: Callable[[], float] = time.time, action_limits: dict[str, int] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, action_limits: dict[str, int] | None = None,
+                 bounds: Bounds | None = None) -> None:
+        self.bounds = bounds or Bounds()
         self.rank_up_ttl = rank_up_ttl
         self.expire_after = expire_after
         self.closed_expire_after = closed_expire_after
@@ -55,6 +58,9 @@ class RankStore:
         self._keys = RunKeys()
         self._limits = ActionLimits(action_limits or {})
         self._seen_commands: dict[int, float] = {}
+        self._run_ranks: dict[RunId, int] = {}
+        """Ranks held per run, and below the samples held over all ranks: what the bounds are checked against."""
+        self._series = 0
         self._next_expiry = float("inf")
         """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
         self._entries: tuple[RankEntry, ...] | None = None  # sorted by (namespace, run, rank); None after any change
@@ -64,7 +70,8 @@ class RankStore:
     # --- pushes -------------------------------------------------------------------------------
     def push(self, snap: RankSnapshot, key_digest: bytes = b"") -> list[Command]:
         """Record a snapshot; return the run's commands this rank has not carried out yet.
-        Raises ``WrongRunKey`` (and records nothing) when the run is bound to another key."""
+        Raises ``WrongRunKey`` (and records nothing) when the run is bound to another key, and
+        ``bounds.Refused`` for a push over a bound (a new run, a new rank, more series)."""
         now = self._clock()
         run = run_id(snap)
         key = (snap.namespace, snap.run, snap.rank)
@@ -75,6 +82,13 @@ class RankStore:
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
+            held = len(old.snapshot.samples) if old is not None else 0
+            series = self._series - held + len(snap.samples)
+            if old is None or len(snap.samples) > held:
+                self.bounds.admit(snap, old is None, len(self._run_ranks), self._run_ranks.get(run), series)
+            if old is None:
+                self._run_ranks[run] = self._run_ranks.get(run, 0) + 1
+            self._series = series
             self._entries = None
             entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
@@ -112,6 +126,7 @@ class RankStore:
                          and not any(c.id in snap.done_commands for snap in snaps)), None)
             if same is not None:
                 return "coalesced", same
+            self.bounds.admit_command(command.run, len(queue))  # raises Refused; a coalesced one took no room
             if not self._limits.take(run, command.action, self._clock()):
                 return "rate_limited", command
             self._seen_commands[command.id] = command.created
@@ -137,8 +152,7 @@ class RankStore:
                 return
             for key, e in list(self._ranks.items()):
                 if now > self._deadline(e):
-                    del self._ranks[key]
-                    self._entries = None
+                    self._forget(key, e)
             self._keys.keep_only({(ns, r) for ns, r, _ in self._ranks})  # a key lives as long as its run's series
             self._limits.expire(now)
             for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
@@ -150,6 +164,17 @@ class RankStore:
             self._next_expiry = min([*(self._deadline(e) for e in self._ranks.values()),
                                      *(c.created + COMMAND_TTL_SECONDS for q in self._commands.values() for c in q)],
                                     default=float("inf"))
+
+    def _forget(self, key: tuple[str, str, int], e: RankEntry) -> None:
+        del self._ranks[key]
+        self._entries = None
+        self._series -= len(e.snapshot.samples)
+        run = (key[0], key[1])
+        left = self._run_ranks[run] - 1
+        if left:
+            self._run_ranks[run] = left
+        else:
+            del self._run_ranks[run]
 
     def entries(self) -> tuple[RankEntry, ...]:
         """Every rank, sorted by (namespace, run, rank): the very same tuple until a push or an expiry changes it

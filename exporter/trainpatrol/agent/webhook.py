@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse
 
 from .alerts import Alert, WebhookPayload, classify, to_command
 from .auth import Scope
+from .bounds import Refused
 from .refusals import no_live_rank
 
 if TYPE_CHECKING:
     from .app import Agent
 
-_FORGOTTEN = ("no_live_rank", "rate_limited", "forward_failed", "no_peer")
+_FORGOTTEN = ("no_live_rank", "rate_limited", "over_limit", "forward_failed", "no_peer")
 """Outcomes of alerts not acted on: a re-send of one is handled again."""
 
 
@@ -48,8 +49,11 @@ class Webhooks:
                 if routing and not agent.store.hosts_run(command.run, namespace):
                     kind = "forwarded"  # the router's case: a peer hosts the run; settled below
                 elif agent.store.live_ranks(command.run, namespace):
-                    enqueued, _ = agent.enqueue(command)
-                    kind = "act" if enqueued == "queued" else enqueued
+                    try:
+                        enqueued, _ = agent.enqueue(command)
+                        kind = "act" if enqueued == "queued" else enqueued
+                    except Refused as exc:  # not acted on: a re-send once the queue drains acts
+                        kind, detail = "over_limit", exc.detail
                 else:  # a queued command would wait for a rank that never comes
                     kind, detail = "no_live_rank", no_live_rank(command.run, namespace)
             elif kind == "forbidden":

@@ -2,7 +2,8 @@
 
 Emits ``trainpatrol_agent_info``, ``trainpatrol_pushes_total{outcome}``,
 ``trainpatrol_webhook_alerts_total{outcome}``, ``trainpatrol_control_commands_total{action,source}``,
-``trainpatrol_control_commands_refused_total{action,reason}`` and ``trainpatrol_forwarded_alerts_total{outcome}``.
+``trainpatrol_control_commands_refused_total{action,reason}``, ``trainpatrol_forwarded_alerts_total{outcome}``
+and ``trainpatrol_refused_requests_total{reason}``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ..catalogue import BY_NAME
 _COUNTERS = (("trainpatrol_pushes", "pushes", ["outcome"]), ("trainpatrol_webhook_alerts", "alerts", ["outcome"]),
              ("trainpatrol_forwarded_alerts", "forwarded", ["outcome"]),
              ("trainpatrol_control_commands", "commands", ["action", "source"]),
-             ("trainpatrol_control_commands_refused", "refused", ["action", "reason"]))
+             ("trainpatrol_control_commands_refused", "refused", ["action", "reason"]),
+             ("trainpatrol_refused_requests", "refusals", ["reason"]))
 """Family name, ``AgentStats`` attribute and label names of each counter, in exposition order."""
 
 
@@ -42,6 +44,8 @@ class AgentStats:
         self.commands: Counter[tuple[str, str]] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
         self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})
+        self.refusals: Counter[str] = Counter({"host": 0, "unauthorized": 0})
+        """Requests, connections and pushes refused at the edge or over a bound, by reason (docs/security.md)."""
         self._rendered: dict[str, tuple[Hashable, RenderedFamily]] = {}
         self._version = 0
         """Counts made so far: the families stand while it and the host name stay the same."""

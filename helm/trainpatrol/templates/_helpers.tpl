@@ -170,6 +170,22 @@ from the lookup so the precedence can be tested without a cluster.
   mountPath: /tmp
 {{- end -}}
 
+{{/* --allowed-hosts: the Host names a pod answers to (agent.edge refuses others with 421). The pod IP,
+   which Prometheus, kubelet probes and peers (through the headless Service) use; the Service's names in
+   every form a client may write; extra.hostIP adds the node IP that ranks reach a hostPort on; then
+   .Values.allowedHosts. Call with (list . "<service name>" <with node IP>). */}}
+{{- define "trainpatrol.allowedHostsArg" -}}
+{{- $ctx := index . 0 -}}
+{{- $ns := include "trainpatrol.namespace" $ctx -}}
+{{- $hosts := list "$(POD_IP)" -}}
+{{- range $svc := index . 1 -}}
+{{- $hosts = concat $hosts (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.%s" $svc $ns $ctx.Values.clusterDomain)) -}}
+{{- end -}}
+{{- if index . 2 -}}{{- $hosts = append $hosts "$(NODE_IP)" -}}{{- end -}}
+{{- $hosts = concat $hosts $ctx.Values.allowedHosts -}}
+- {{ printf "--allowed-hosts=%s" (join "," $hosts) | quote }}
+{{- end -}}
+
 {{/* Settings that cannot work together fail the render with a message naming the values. */}}
 {{- define "trainpatrol.validate" -}}
 {{- if and .Values.serviceMonitor.enabled .Values.podMonitor.enabled -}}
