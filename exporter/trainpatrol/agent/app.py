@@ -152,10 +152,7 @@ class Agent:
     def __init__(self, config: AgentConfig, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
-        self.bounds = Bounds(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
-                             max_series=config.max_series, max_samples_per_push=config.max_samples_per_push,
-                             max_label_length=config.max_label_length,
-                             max_queued_commands=config.max_queued_commands)
+        self.bounds = Bounds.of(config)
         self.store = RankStore(config.rank_up_ttl_seconds, config.rank_expire_seconds,
                                config.closed_expire_seconds, clock, action_limits=config.action_rate_limits,
                                bounds=self.bounds)

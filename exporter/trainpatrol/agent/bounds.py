@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..protocol import RankSnapshot
+from .config import AgentConfig
+
+_DEFAULTS = AgentConfig()
 
 
 class Refused(Exception):
@@ -26,12 +29,20 @@ def _setting(name: str) -> str:
 
 @dataclass(frozen=True)
 class Bounds:
-    max_runs: int = 16
-    max_ranks_per_run: int = 128
-    max_series: int = 10_000
-    max_samples_per_push: int = 1024
-    max_label_length: int = 256
-    max_queued_commands: int = 64
+    """The agent's bounds; their defaults and meaning are AgentConfig's."""
+
+    max_runs: int = _DEFAULTS.max_runs
+    max_ranks_per_run: int = _DEFAULTS.max_ranks_per_run
+    max_series: int = _DEFAULTS.max_series
+    max_samples_per_push: int = _DEFAULTS.max_samples_per_push
+    max_label_length: int = _DEFAULTS.max_label_length
+    max_queued_commands: int = _DEFAULTS.max_queued_commands
+
+    @classmethod
+    def of(cls, config: AgentConfig) -> Bounds:
+        return cls(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
+                   max_series=config.max_series, max_samples_per_push=config.max_samples_per_push,
+                   max_label_length=config.max_label_length, max_queued_commands=config.max_queued_commands)
 
     def check_body(self, body: bytes) -> None:
         """Before parsing: a body with more sample objects than the bound is refused unread. Every
