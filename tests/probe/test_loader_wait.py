@@ -5,7 +5,6 @@ never data wait."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from resume_loops import config
 
-from fake_clock import Clock
+from fake_clock import Clock, script_perf_counter
 from trainpatrol import Patrol
 
 FETCH, COMPUTE = 0.03, 0.01
@@ -22,10 +21,7 @@ FETCH, COMPUTE = 0.03, 0.01
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    """The clock Patrol times steps and waits with, moved only by the test."""
-    scripted = Clock(0.0)
-    monkeypatch.setattr(time, "perf_counter", scripted)
-    return scripted
+    return script_perf_counter(monkeypatch)
 
 
 class SlowLoader:
