@@ -1,4 +1,4 @@
-"""Issue 4: the agent's whole /metrics, with 8 GPUs and several ranks, passes ``promtool check metrics``."""
+"""The agent's whole /metrics, with 8 GPUs and several ranks, passes ``promtool check metrics``."""
 
 from __future__ import annotations
 
