@@ -64,13 +64,17 @@ image-lock:
 	  ../../build/image/lock-venv/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	  --no-emit-index-url --output-file=requirements.lock requirements.in
 
+# The demos' agent serves GPU metrics from readings recorded on an H200 (the test double in tests/nvml_fake/,
+# which the package does not ship), so they show on a machine without a GPU; NVML_FAKE= reads the real GPUs.
+NVML_FAKE ?= $(CURDIR)/tests/nvml_fake/nvml_h200.json
+
 demo: $(STAMP)
 	rm -rf demo-output
-	$(PY) -m trainpatrol demo --steps 400 --inject nan@150 --agent-url http://127.0.0.1:9402
+	TRAINPATROL_NVML_FAKE=$(NVML_FAKE) $(PY) -m trainpatrol demo --steps 400 --inject nan@150 --agent-url http://127.0.0.1:9402
 
 demo-stack: $(STAMP) system-deps
 	rm -rf demo-output
-	$(PY) -m trainpatrol demo --stack --steps 600 --inject grad_spike@200
+	TRAINPATROL_NVML_FAKE=$(NVML_FAKE) $(PY) -m trainpatrol demo --stack --steps 600 --inject grad_spike@200
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,11 +1,11 @@
-"""Capture the NVML fixture that ``trainpatrol.nvml_fake.FakeNvml`` serves, on a real GPU.
+"""Capture the NVML fixture that the test double ``tests/nvml_fake/fake.py`` serves, on a real GPU.
 
 Calls every pynvml function the NVML collector uses on one GPU and records, for each call, the
 value (ctypes structures as dicts) or the NVMLError subclass it raised, plus its timings. The
 device calls are recorded twice: idle, then while a child process keeps the GPU busy with bf16
 matrix products (so utilization, power, clocks and the process list are realistic)::
 
-    python3 bench/capture_nvml_fixture.py --out exporter/trainpatrol/data/nvml_h200.json
+    python3 bench/capture_nvml_fixture.py --out tests/nvml_fake/nvml_h200.json
 
 Needs only pynvml (nvidia-ml-py); torch is used for the load phase when it is installed.
 """

@@ -330,7 +330,7 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
     port = free_port()
     env = dict(os.environ, TRAINPATROL_NVML_FAKE_DELAYS=json.dumps(DELAYS), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "exporter"), env.get("PYTHONPATH", "")])
-    fixture = REPO / "exporter" / "trainpatrol" / "data" / "nvml_h200.json"
+    fixture = REPO / "tests" / "nvml_fake" / "nvml_h200.json"
     cmd = [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port),
            *(["--nvml-fake", str(fixture), "--nvml-pcie"] if nvml else ["--no-nvml"]), "--log-level", "warning"]
     log = open(log_dir / f"agent-{ranks}.log", "wb")  # noqa: SIM115 - closed in the finally below

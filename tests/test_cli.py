@@ -145,6 +145,17 @@ def test_agent_on_a_taken_port_says_so_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1
 
 
+def test_agent_with_an_nvml_fake_path_that_names_no_fixture_says_so_in_one_line(tmp_path: Path) -> None:
+    lone = tmp_path / "nvml.json"
+    lone.write_text("{}")  # a fixture without fake.py beside it is as unusable as none
+    for path in (tmp_path / "missing.json", lone):
+        result = cli("agent", "--port", str(free_port()), "--nvml-fake", str(path))
+        assert one_line_error(result) == (
+            f"trainpatrol agent: Config 'nvml_fake' has value {str(path)!r}. Expected an NVML fixture (JSON) with "
+            "fake.py beside it, as tests/nvml_fake/nvml_h200.json in the repository.")
+        assert result.returncode == 2
+
+
 def test_misuse_gives_one_line_and_a_nonzero_exit(tmp_path: Path) -> None:
     missing = tmp_path / "no-token"
     cases = {

@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,6 +94,12 @@ def wheel(clone: Path) -> Path:
     _pip(sys.executable, "wheel", "--no-deps", "-w", str(out), str(clone))  # setuptools comes from the index
     (found,) = out.glob("trainpatrol-*.whl")
     return found
+
+
+def test_the_wheel_ships_the_package_without_the_nvml_test_double(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "trainpatrol/agent/server.py" in names  # the listing is the package's
+    assert [n for n in names if "fake" in n.lower() or "nvml_h200" in n or n.startswith("tests/")] == []
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,9 @@ def _agent_parser(sub: Any) -> None:
                    help="seconds between reads of energy, ECC, retired pages, remapped rows, power limit, PCIe")
     p.add_argument("--nvml-pcie", action="store_true", default=None, help="PCIe throughput (about 20 ms per GPU)")
     p.add_argument("--nvml-processes", action="store_true", default=None, help="per-rank GPU memory")
-    p.add_argument("--nvml-fake", help="serve recorded NVML readings from this fixture instead of a GPU")
+    p.add_argument("--nvml-fake", metavar="FIXTURE",
+                   help="serve recorded NVML readings from this fixture, with fake.py beside it, instead of a GPU "
+                        "(demos and tests from the repository: tests/nvml_fake/nvml_h200.json)")
     p.add_argument("--rank-up-ttl", type=float, dest="rank_up_ttl_seconds")
     p.add_argument("--rank-expire", type=float, dest="rank_expire_seconds")
     p.add_argument("--exit-when-idle", type=float, dest="exit_when_idle_seconds", metavar="SECONDS",

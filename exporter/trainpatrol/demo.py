@@ -147,6 +147,10 @@ def _print_mission_metrics(agent_url: str, run: str) -> None:
         name = line.split("{", 1)[0]
         if name.removeprefix("trainpatrol_") in MISSION and f'run="{run}"' in line:
             print(f"[demo]   {line}", flush=True)
+    gpus = sum(line.startswith("trainpatrol_gpu_info{") for line in lines)
+    print(f"[demo]   {gpus} GPU(s) on /metrics: the trainpatrol_gpu_* series" if gpus else
+          "[demo]   no GPU metrics: the agent reads no NVML here (no NVIDIA driver, or --no-nvml); `make demo` "
+          "in the repository serves recorded H200 readings instead", flush=True)
 
 
 def _run_state(agent_url: str, run: str, token: str = "") -> str:

@@ -1,4 +1,4 @@
-"""Issue 5: the control API and the Alertmanager webhook refuse bad input and act exactly once."""
+"""The control API and the Alertmanager webhook refuse bad input and act exactly once."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fake_clock import T0, Clock
 from loops import scripted_patrol
+from nvml_fake.fake import FakeNvml
 from servers import agent, http_json, wait_for
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
@@ -25,7 +26,6 @@ from trainpatrol.agent.store import RankStore
 from trainpatrol.collectors.agent_self import AgentStats
 from trainpatrol.collectors.nvml import NvmlCollector
 from trainpatrol.collectors.ranks import RankCollector
-from trainpatrol.nvml_fake import FakeNvml
 from trainpatrol.protocol import RankSnapshot
 
 UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0

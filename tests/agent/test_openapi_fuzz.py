@@ -1,4 +1,4 @@
-"""Issue 4: fuzz the agent's OpenAPI with schemathesis, in process (ASGI), with and without the token.
+"""Fuzz the agent's OpenAPI with schemathesis, in process (ASGI), with and without the token.
 
 Every operation gets up to ``MAX_EXAMPLES`` schema-conforming and as many schema-violating requests
 (fewer where the schema allows fewer distinct ones).

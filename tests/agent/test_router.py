@@ -1,4 +1,4 @@
-"""Issue 4: any agent can take Alertmanager's webhook and route alerts to the agent hosting the run.
+"""Any agent can take Alertmanager's webhook and route alerts to the agent hosting the run.
 
 Real agent processes on 127.0.0.1. Agent 1 is the router (peers: agents 2 and 3); run "B" has a rank
 on agent 2 only. A spy HTTP server stands for an agent that is not a peer.

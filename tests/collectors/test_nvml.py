@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from nvml_fake.fake import FakeNvml, MigInstance
 from trainpatrol.catalogue import NVML_METRICS
 from trainpatrol.collectors import _nvml_sample as ns
 from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.nvml import NvmlCollector
-from trainpatrol.nvml_fake import FakeNvml, MigInstance
 
 UUID0 = "GPU-eec3c3a2-b837-766e-24b3-24b131d2d7d2"  # the real H200's uuid
 T0 = 1_700_000_000.0

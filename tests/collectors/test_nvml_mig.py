@@ -9,12 +9,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from markers import needs_prometheus
+from nvml_fake.fake import FakeNvml, MigInstance
 from servers import agent_in_thread, http_json, prometheus, query, wait_for
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.nvml import NvmlCollector
-from trainpatrol.nvml_fake import FakeNvml, MigInstance
 
 GIB = 1 << 30
 SLICES = (MigInstance(gpu_instance=9, compute_instance=0, profile="1g.18gb", total_bytes=16 * GIB, used_bytes=3 * GIB),

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from markers import needs_prometheus, needs_promtool
+from nvml_fake import FIXTURE
 from servers import (
     PROMTOOL,
     agent,
@@ -37,7 +38,6 @@ from trainpatrol.catalogue import BY_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
-FIXTURE = REPO / "exporter" / "trainpatrol" / "data" / "nvml_h200.json"
 UIDS = {
     "training-checklist.json": "trainpatrol-checklist",
     "run-timeline.json": "trainpatrol-run-timeline",

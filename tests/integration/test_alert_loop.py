@@ -1,4 +1,4 @@
-"""Issue 6, end to end: a fault in a run, a Prometheus alert, Alertmanager, the agent's webhook, the action.
+"""End to end: a fault in a run, a Prometheus alert, Alertmanager, the agent's webhook, the action.
 
 Real Prometheus and Alertmanager on 127.0.0.1 (1 s scrape and evaluation, ``group_wait: 0s``), the
 shipped rules rendered with the fast profile, and a real agent holding a bearer token. The run is a

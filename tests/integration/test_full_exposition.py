@@ -1,4 +1,4 @@
-"""Issue 4: the agent's whole /metrics, with 8 GPUs and several ranks, passes ``promtool check metrics``."""
+"""The agent's whole /metrics, with 8 GPUs and several ranks, passes ``promtool check metrics``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from loops import run_scripted, scripted_patrol
 from markers import needs_promtool
-from servers import PROMTOOL, REPO, agent, http_get, wait_for
+from nvml_fake import FIXTURE
+from servers import PROMTOOL, agent, http_get, wait_for
 
-FIXTURE = REPO / "exporter" / "trainpatrol" / "data" / "nvml_h200.json"
 RANKS = 3
 
 

@@ -1,4 +1,4 @@
-"""Issue 2: Patrol -> agent -> /metrics -> a real Prometheus; promtool; an agent restart mid-run."""
+"""Patrol -> agent -> /metrics -> a real Prometheus; promtool; an agent restart mid-run."""
 
 from __future__ import annotations
 

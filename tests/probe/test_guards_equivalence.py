@@ -1,4 +1,4 @@
-"""The guards' per-step fast path judges exactly as judging every step in full does."""
+"""The guards' cheap per-step check judges exactly as judging every step in full does."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def script(rng: random.Random, steps: int) -> list[tuple[float, float | None]]:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("lag", [0, 5])
-def test_fast_path_trips_as_the_full_check_does(seed: int, lag: int) -> None:
+def test_the_per_step_check_trips_as_judging_every_step_in_full_does(seed: int, lag: int) -> None:
     """``lag``: the records of later steps already exist, their values unread (as on CUDA)."""
     rng = random.Random(seed)
     config = GuardConfig(min_steps=5 + seed, median_window=30, median_refresh_steps=1 + seed % 4,

@@ -1,4 +1,4 @@
-"""Issue 3: scripted loss/grad sequences give exact exported values, on CPU."""
+"""Scripted loss/grad sequences, and a scripted step clock, give exact exported values, on CPU."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
+from fake_clock import Clock, script_perf_counter
 from loops import losses_with_nan, run_scripted, scripted_patrol
 from trainpatrol import Patrol, PatrolConfig
 from trainpatrol.probe.guards import GuardConfig
@@ -130,10 +131,29 @@ def test_amp_skipped_steps_and_loss_scale(tmp_path: Path) -> None:
     assert value(snap, "nonfinite_steps_total", kind="loss") == 1
 
 
-def test_dataloader_audit_and_wait_ratio(tmp_path: Path) -> None:
+class TimedDataset(Dataset[torch.Tensor]):
+    """40 numbers, each taking ITEM_SECONDS of the scripted clock to read."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.clock.now += ITEM_SECONDS
+        return torch.tensor(float(index))
+
+
+ITEM_SECONDS = 0.001
+
+
+def test_dataloader_audit_and_wait_ratio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = script_perf_counter(monkeypatch)
     patrol = scripted_patrol(tmp_path, guard_actions={})
-    data = DataLoader(TensorDataset(torch.arange(40.0)), batch_size=4, num_workers=0)
-    for (x,) in patrol.loader(data):
+    data = DataLoader(TimedDataset(clock), batch_size=4, num_workers=0)
+    for x in patrol.loader(data):
+        clock.now += 0.006  # the step's compute
         patrol.step(x.mean(), batch_size=len(x))
     snap = patrol.snapshot()
     assert value(snap, "dataloader_warning", check="num_workers_zero") == 1
@@ -141,10 +161,9 @@ def test_dataloader_audit_and_wait_ratio(tmp_path: Path) -> None:
     info = next(s for s in snap["samples"] if s["name"] == "trainpatrol_dataloader_info")["labels"]
     assert info == {"num_workers": "0", "pin_memory": "false", "persistent_workers": "false",
                     "prefetch_factor": "", "batch_size": "4"}
-    recs = patrol.history.recent()
-    expected = sum(r.loader_wait_seconds for r in recs) / sum(r.step_seconds for r in recs)
-    assert value(snap, "loader_wait_ratio") == pytest.approx(expected, rel=1e-12)
-    assert value(snap, "loader_wait_seconds_total") == pytest.approx(sum(r.loader_wait_seconds for r in recs))
+    # a batch is 4 reads of 1 ms, then 6 ms of compute: 4 ms of every 10 ms step, 10 batches in all
+    assert value(snap, "loader_wait_ratio") == pytest.approx(0.4, rel=1e-9)
+    assert value(snap, "loader_wait_seconds_total") == pytest.approx(10 * 0.004, rel=1e-9)
     assert value(snap, "step_total") == 10
     patrol.close()
 
@@ -166,6 +185,7 @@ class ScriptedAllocator:
                              peak_allocated=allocated,
                              alloc_retries=2.0 if self.reads >= self.fragmented_from else 0.0, ooms=0.0,
                              capacity=80 * GIB)
+
 
 
 def test_allocator_metrics_leak_slope_and_fragmentation_guard(tmp_path: Path) -> None:
@@ -244,14 +264,21 @@ def test_oom_writes_evidence_and_reraises(tmp_path: Path) -> None:
     assert patrol.state == "closed"
 
 
-def test_rank_info_and_overhead_ratio(tmp_path: Path) -> None:
-    patrol = scripted_patrol(tmp_path, guard_actions={})
-    run_scripted(patrol, [1.0] * 30)
+def test_rank_info_and_overhead_ratio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = script_perf_counter(monkeypatch)
+
+    def allocator_read() -> None:
+        """The probe's own work in every step: 2 ms, finding no allocator."""
+        clock.now += 0.002
+
+    patrol = scripted_patrol(tmp_path, guard_actions={}, window=20, memory_reader=allocator_read,
+                             memory_interval_seconds=0.0)
+    for _ in range(30):
+        clock.now += 0.098  # the training step's own work
+        patrol.step(torch.tensor(1.0))
     snap = patrol.snapshot()
     info = next(s for s in snap["samples"] if s["name"] == "trainpatrol_rank_info")["labels"]
     assert info["device"] == "cpu" and info["world_size"] == "1" and info["torch_version"] == torch.__version__
-    recs = patrol.history.recent()
-    expected = sum(r.probe_seconds for r in recs) / sum(r.step_seconds for r in recs)
-    assert value(snap, "probe_overhead_ratio") == pytest.approx(expected, rel=1e-12)
-    assert 0 < expected < 1
+    # the window's 20 steps each last 98 ms of training and 2 ms of probe
+    assert value(snap, "probe_overhead_ratio") == pytest.approx(0.002 / 0.1, rel=1e-9)
     patrol.close()

@@ -1,4 +1,4 @@
-"""Issue 4: the Patrol's side of the push stream: deltas, chunk decoding, fallback, reconnects."""
+"""The Patrol's side of the push stream: deltas, chunk decoding, fallback, reconnects."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FIXTURE = HERE.parents[1] / "exporter" / "trainpatrol" / "data" / "nvml_h200.json"
+FIXTURE = HERE.parent / "nvml_fake" / "nvml_h200.json"
 RUN = "report-test"
 NAN_AT, NAN_RANK, WORLD = 30, 1, 2
 

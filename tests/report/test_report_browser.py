@@ -1,4 +1,4 @@
-"""Issue 11: the report of a real NaN incident, opened in headless Chromium: it loads with no request
+"""The report of a real NaN incident, opened in headless Chromium: it loads with no request
 leaving the page, every plot panel holds every rank's line, and the NaN is marked."""
 
 from __future__ import annotations

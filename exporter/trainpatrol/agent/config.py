@@ -62,7 +62,8 @@ class AgentConfig:
     """PCIe throughput costs about 20 ms per GPU per sample, so it is opt-in."""
     nvml_processes: bool = False
     nvml_fake: str = ""
-    """Path of an NVML fixture (JSON). Serves recorded H200 readings instead of real NVML."""
+    """Path of an NVML fixture (JSON) with the fake that serves it beside it as ``fake.py``; in the
+    repository, tests/nvml_fake/nvml_h200.json (recorded H200 readings). The wheel ships neither."""
     peers: tuple[str, ...] = ()
     """Peer agents (host:port) this agent may forward alerts to."""
     peers_dns: str = ""
@@ -124,6 +125,9 @@ class AgentConfig:
             raise ConfigError(
                 f"Config 'allowed_actions' has value {unknown[0]!r}. Expected one of {', '.join(ACTIONS)}."
             )
+        if self.nvml_fake and not (Path(self.nvml_fake).is_file() and fake_module(self.nvml_fake).is_file()):
+            raise ConfigError(f"Config 'nvml_fake' has value {self.nvml_fake!r}. Expected an NVML fixture (JSON) "
+                              "with fake.py beside it, as tests/nvml_fake/nvml_h200.json in the repository.")
         if self.token_file and not self.token:
             try:
                 self.token = Path(self.token_file).read_text().strip()
@@ -196,6 +200,11 @@ def _read_pairs(name: str, path: str) -> dict[str, str]:
         return dict(_pair(line) for line in lines if line.strip() and not line.lstrip().startswith("#"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"Config {name!r} has value {path!r}: {exc}. Expected namespace=token lines.") from exc
+
+
+def fake_module(fixture: str) -> Path:
+    """The NVML fake's source, beside its fixture: test code, so it is loaded by path, never packaged."""
+    return Path(fixture).parent / "fake.py"
 
 
 def is_loopback(host: str) -> bool:

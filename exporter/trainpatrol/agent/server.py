@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import uvicorn
 
 from .app import Agent
-from .config import AgentConfig
+from .config import AgentConfig, fake_module
 from .connections import ConnectionLimits, guarded_protocol, raise_open_files_limit
 from .quiet_server import QuietServer
 
@@ -31,13 +33,21 @@ def build_nvml(config: AgentConfig, agent_store_pids: Any) -> Any:
 
     source: Any = None
     if config.nvml_fake:
-        from ..nvml_fake import FakeNvml
-
         delays = json.loads(os.environ.get(FAKE_DELAYS_ENV) or "{}")
-        source = FakeNvml.from_fixture(config.nvml_fake, delays=delays)
+        source = load_fake_nvml(config.nvml_fake).FakeNvml.from_fixture(config.nvml_fake, delays=delays)
     return NvmlCollector(source, interval_seconds=config.nvml_interval_seconds,
                          slow_interval_seconds=config.nvml_slow_interval_seconds, pcie=config.nvml_pcie,
                          processes=config.nvml_processes, pid_to_rank=agent_store_pids)
+
+
+def load_fake_nvml(fixture: str) -> Any:
+    """The module ``fake.py`` beside the fixture (config.load checked both exist)."""
+    spec = importlib.util.spec_from_file_location("trainpatrol_nvml_fake", fake_module(fixture))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_agent(config: AgentConfig) -> Agent:

@@ -1,10 +1,13 @@
 """A stand-in for the pynvml module that serves readings recorded on a real H200.
 
-``FakeNvml.from_fixture()`` loads ``data/nvml_h200.json`` (written by bench/capture_nvml_fixture.py)
+``FakeNvml.from_fixture()`` loads ``nvml_h200.json`` beside it (written by bench/capture_nvml_fixture.py)
 and presents it as ``gpus`` GPUs that differ only in index, uuid, PCI bus id and serial. Calls the
 real GPU did not support raise the same NVMLError subclass here. Hooks inject faults: a lost GPU,
 a missing driver, an XID event, MIG mode, or any other value. Every call is counted in ``calls``
 and can be slowed down with ``delays`` (seconds per function name), as on real hardware.
+
+Test code, not shipped: tests import it as ``nvml_fake.fake``; ``trainpatrol agent --nvml-fake FIXTURE``
+loads it by path from beside its fixture (agent/server.py), for demos from the repository.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import pynvml  # only for the exception classes; the library itself is never loaded
 
-DEFAULT_FIXTURE = Path(__file__).parent / "data" / "nvml_h200.json"
+DEFAULT_FIXTURE = Path(__file__).parent / "nvml_h200.json"
 NVMLError = pynvml.NVMLError
 
 
