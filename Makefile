@@ -64,9 +64,10 @@ image-lock:
 	  ../../build/image/lock-venv/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	  --no-emit-index-url --output-file=requirements.lock requirements.in
 
-# The demos' agent serves GPU metrics from readings recorded on an H200 (the test double in tests/nvml_fake/,
-# which the package does not ship), so they show on a machine without a GPU; NVML_FAKE= reads the real GPUs.
-NVML_FAKE ?= $(CURDIR)/tests/nvml_fake/nvml_h200.json
+# On a machine without an NVIDIA driver the demos' agent serves GPU metrics from readings recorded on an
+# H200 (the test double in tests/nvml_fake/, which the package does not ship); where nvidia-smi answers it
+# reads the real GPUs. NVML_FAKE=PATH or NVML_FAKE= chooses explicitly.
+NVML_FAKE ?= $(if $(shell nvidia-smi -L 2>/dev/null),,$(CURDIR)/tests/nvml_fake/nvml_h200.json)
 
 demo: $(STAMP)
 	rm -rf demo-output
