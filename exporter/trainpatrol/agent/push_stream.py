@@ -34,7 +34,7 @@ from ..collectors.agent_self import AgentStats
 from ..protocol import Command, RankSnapshot, SnapshotDelta
 from .auth import PushProof
 from .bounds import Refused
-from .problems import validation_problem
+from .problems import invalid
 
 log = logging.getLogger(__name__)
 NDJSON = b"application/x-ndjson"
@@ -196,7 +196,8 @@ class PushStream:
         except (ValidationError, ValueError) as exc:
             self.stats.count("pushes", "invalid")
             stream.counts["refused"] += 1
-            problem = validation_problem(exc) if isinstance(exc, ValidationError) else {"detail": str(exc)}
+            problem = (invalid(exc.errors(include_url=False), ("body",)) if isinstance(exc, ValidationError)
+                       else {"detail": str(exc)})
             stream.bases.clear()  # deltas after a refused line would build on the wrong base: whole lines first
             await self._reply(stream, {"line": number, "status": 422, **problem})
             return
