@@ -111,7 +111,8 @@ class Agent:
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
-        self.webhooks = Webhooks(self)
+        self.webhooks = Webhooks(config, self.store, self.enqueue, self.router, self.dedupe, self.alert_log,
+                                 lambda outcome: self.stats.count("alerts", outcome), clock)
         self.api = self._build()
         self._scraped = False
         """A scrape came since the last batch of stream lines."""
@@ -207,7 +208,7 @@ class Agent:
                            refused=lambda: self.stats.count("refusals", "max_request_bytes"))
         add_push_routes(app, cfg, self.stats, self.accept_push, self._check_push_body, self._after_batch)
 
-        @app.get("/healthz", summary="Liveness and readiness")
+        @app.get("/healthz", summary="Liveness and readiness", response_model=dict[str, Any])
         async def healthz() -> JSONResponse:
             return JSONResponse(self._health())
 
