@@ -1,9 +1,9 @@
 """``POST /v1/push/stream``: a rank's pushes as one long-lived request, one JSON snapshot per line.
 
-A request per push cost the agent about 0.4 ms of HTTP handling (parsing, a task, two socket
-writes), more than the push itself; at 64 ranks that alone broke the 2 % CPU budget
-(bench/scrape.py). On a stream a push is one more chunk of a body that is already open, and the
-agent writes only when it has something to say. The answer is NDJSON, streamed:
+A request per push costs the agent more HTTP handling (parsing, a task, two socket writes) than the
+push itself; at 64 ranks that alone broke the CPU budget (bench/scrape.py, docs/benchmarks.md). On a
+stream a push is one more chunk of a body that is already open, and the agent writes only when it
+has something to say. The answer is NDJSON, streamed:
 
 - ``{"run", "rank", "seq", "commands": [...]}`` after a snapshot whose run has commands for it;
 - ``{"line", "status", "detail"[, "errors"]}`` for a refused line (422 invalid, 413 too long, 403 a
