@@ -81,3 +81,23 @@ def test_a_wrong_token_is_answered_before_the_body_is_sent() -> None:
                 head, _, rest = s.recv(65536).partition(b"\r\n\r\n")
                 assert head.startswith(b"HTTP/1.1 401 "), head
                 assert json.loads(rest) == PUSH_REFUSED
+
+
+def test_a_422_names_the_first_error_lists_all_under_body_and_shortens_what_it_echoes() -> None:
+    """The single push, a line of the stream and a control route word a validation error alike."""
+    _, client, _ = documented_agent()
+    long_host = "h" * 300
+    push = {"run": "r1", "rank": 0, "host": long_host}
+    single = client.post("/v1/push", json=push, headers=AUTH).json()
+    line = client.post("/v1/push/stream", content=json.dumps(push).encode() + b"\n",
+                       headers={**AUTH, "Content-Type": "application/x-ndjson"}).content.splitlines()[0]
+    streamed = json.loads(line)
+    shortened = "h" * 256 + "... (300 characters)"
+    for answer in (single, streamed):
+        assert answer["detail"] == "Invalid request: body.host: String should have at most 253 characters"
+        assert [(e["loc"], e["input"]) for e in answer["errors"]] == [(["body", "host"], shortened)]
+    action = client.post("/v1/runs/r1/actions", json={"action": "pause", "reason": "r" * 2000, "extra": 1},
+                         headers=AUTH).json()
+    assert [e["loc"] for e in action["errors"]] == [["body", "reason"], ["body", "extra"]]
+    assert action["detail"].startswith("Invalid request: body.reason: ")
+    assert action["errors"][0]["input"] == "r" * 256 + "... (2000 characters)"
