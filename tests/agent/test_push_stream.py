@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from servers import agent_in_thread, wait_for
+from servers import agent_in_thread, wait_for, without_push_stream
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 from trainpatrol.agent.exposition import exposition
@@ -213,9 +213,9 @@ def test_a_peer_that_goes_silent_is_let_go_and_one_that_vanishes_mid_line_costs_
 
 
 def test_an_agent_without_the_stream_is_told_apart() -> None:
-    """The FastAPI app alone stands in for an older agent: 404, which the Patrol falls back on."""
+    """An agent without the stream route stands in for an older one: 404, which the Patrol falls back on."""
     agent = Agent(AgentConfig(nvml=False).load())
-    with agent_in_thread(agent.api) as port, pytest.raises(StreamRefused) as refused:
+    with agent_in_thread(without_push_stream(agent)) as port, pytest.raises(StreamRefused) as refused:
         PushStream("127.0.0.1", port, timeout=5.0).open()
     assert refused.value.status == 404 and refused.value.detail == "Not Found"
 

@@ -8,7 +8,7 @@ import random
 import time
 from typing import Any
 
-from servers import agent_in_thread, free_port, wait_for
+from servers import agent_in_thread, free_port, wait_for, without_push_stream
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 from trainpatrol.probe.publisher import Publisher
@@ -93,7 +93,7 @@ def test_publisher_streams_deltas_hears_commands_and_its_final_push_is_confirmed
 
 def test_publisher_falls_back_to_one_request_per_push_on_an_older_agent() -> None:
     agent = Agent(AgentConfig(nvml=False).load())
-    with agent_in_thread(agent.api) as port:  # FastAPI alone: no /v1/push/stream
+    with agent_in_thread(without_push_stream(agent)) as port:
         pub = Publisher(f"http://127.0.0.1:{port}", _patrol_like(), lambda c: None, interval=0.05)
         pub.start()
         wait_for(lambda: pub.delivered >= 3, 10, what="three pushes")

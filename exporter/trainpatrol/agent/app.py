@@ -26,42 +26,31 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Body, FastAPI, HTTPException, Request, Response
-from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
-from pydantic import BaseModel, Field
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from pydantic import BaseModel
 
 from .. import __version__
 from ..collectors.agent_self import AgentStats
 from ..collectors.health import CollectorSet, Collects
 from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
-from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot, valid_run
+from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, RankSnapshot, valid_run
 from .alerts import Deduper, WebhookPayload
-from .auth import PUSH_REFUSED, PushProof, push_scope, require_control
+from .auth import PushProof, require_control
 from .bounds import Bounds, Refused
 from .config import AgentConfig
 from .edge import Edge, HostCheck
-from .hotpath import HotPaths
-from .problems import jsonable, shortened
+from .problems import BodyLimit, Problem, documented, invalid
 from .push_stream import PushRefused
+from .pushes import add_push_routes
 from .refusals import no_live_rank, rate_limited
 from .router import FORWARDED_HEADER, Router
-from .run_keys import RUN_KEY_HEADER, digest
 from .store import Enqueued, RankStore, WrongRunKey
 from .webhook import Webhooks
 
 log = logging.getLogger(__name__)
-
-
-class Problem(BaseModel):
-    """Every error answer: ``detail`` names the offending value; a 422 also lists each validation error."""
-
-    detail: str
-    errors: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ActionAccepted(BaseModel):
@@ -93,61 +82,14 @@ class NoLiveRank(Problem):
     """The run's state on this agent (``unknown`` when no rank of it pushed here)."""
 
 
-_PROBLEMS = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or wrong",
-             403: "Action not in the allow-list, or a namespace the token does not reach", 404: "Unknown run",
-             413: "Request body too large", 421: "Host header not one of this agent's names (agent.edge)",
-             422: "Malformed request",
-             429: "Over one of the agent's bounds (agent.bounds), or the run's actions of this kind per minute are "
-                  "used up (Retry-After)",
-             503: "An alert for a run on a peer could not be delivered; Alertmanager re-sends it"}
 _NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
     404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
     409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
 
 
-def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI entries for error answers, documented as they are sent (not FastAPI's default 422)."""
-    return {code: {"model": Problem, "description": _PROBLEMS[code]} for code in codes}
-
-
-class BodyLimit:
-    """413 for a request body over ``limit`` bytes: by its Content-Length, or as a chunked body streams in.
-
-    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` cost more CPU than a push itself.
-    """
-
-    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[str], None] = lambda reason: None) -> None:
-        self.app, self.limit, self.refused = app, limit, refused
-
-    def _detail(self, length: str) -> str:
-        return f"Request body of {length} bytes is over the limit of {self.limit} bytes."
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = Headers(scope=scope).get("content-length", "0")
-        if not length.isdigit() or int(length) > self.limit:
-            self.refused("max_request_bytes")
-            await JSONResponse({"detail": self._detail(length)}, status_code=413)(scope, receive, send)
-            return
-        seen = 0
-
-        async def bounded() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:  # FastAPI re-raises an HTTPException from the body read as it is
-                self.refused("max_request_bytes")
-                raise HTTPException(413, self._detail(f"more than {self.limit}"))
-            return message
-
-        await self.app(scope, bounded, send)
-
-
 class Agent:
-    """Wires the store, collectors and router together. ``app`` is the ASGI application: the hot
-    paths (agent.hotpath) in front of ``api``, the FastAPI application with everything else."""
+    """Wires the store, collectors and router together. ``app`` is the ASGI application: the Host
+    check and token gate (agent.edge) in front of ``api``, the FastAPI application that serves every route."""
 
     def __init__(self, config: AgentConfig, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
@@ -169,17 +111,14 @@ class Agent:
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
-        self.webhooks = Webhooks(self)
+        self.webhooks = Webhooks(config, self.store, self.enqueue, self.router, self.dedupe, self.alert_log,
+                                 lambda outcome: self.stats.count("alerts", outcome), clock)
         self.api = self._build()
         self._scraped = False
         """A scrape came since the last batch of stream lines."""
         self.last_push = time.monotonic()
         """When a rank last pushed (or the agent started): scrapes and API calls do not keep an idle agent up."""
-        hot = HotPaths(self.api, accept=self.accept_push, stats=self.stats, config=config,
-                       max_body=config.max_push_bytes, metrics=self.metrics,
-                       health=self._health, stream_idle_seconds=config.stream_idle_seconds,
-                       after_batch=self._after_batch, check_body=self._check_push_body)
-        self.app = Edge(hot, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
+        self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
 
     def metrics(self) -> bytes:
         """The /metrics body."""
@@ -254,54 +193,31 @@ class Agent:
         docs = self.config.api_docs  # the schema maps the whole surface: only when asked for
         app = FastAPI(title="trainpatrol agent", version=__version__, openapi_url="/openapi.json" if docs else None,
                       docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
-                      responses=_errors(421),
+                      responses=documented(421),
                       description="Serves rank and GPU metrics to Prometheus and carries control actions "
                                   "to training ranks. See docs/runbooks.md.")
         cfg = self.config
 
         @app.exception_handler(RequestValidationError)
-        async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-            if request.url.path == "/v1/push":
-                self.stats.count("pushes", "invalid")
-            else:  # a webhook or an action with fields out of bounds or not printable, say
-                self.stats.count("refusals", "invalid_request")
-            errors = shortened(list(exc.errors()))
-            first = errors[0] if errors else {}
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            message = f"Invalid request: {where}: {first.get('msg', 'malformed')}"
-            # the input echoed may hold NaN or a lone surrogate, which JSONResponse cannot write
-            return JSONResponse({"detail": message, "errors": jsonable(jsonable_encoder(errors))}, status_code=422)
+        async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+            # a webhook or an action with fields out of bounds or not printable, say (pushes: agent.pushes)
+            self.stats.count("refusals", "invalid_request")
+            return JSONResponse(invalid(exc.errors()), status_code=422)
 
         app.add_middleware(BodyLimit, limit=cfg.max_request_bytes,
-                           refused=lambda reason: self.stats.count("refusals", reason))
+                           refused=lambda: self.stats.count("refusals", "max_request_bytes"))
+        add_push_routes(app, cfg, self.stats, self.accept_push, self._check_push_body, self._after_batch)
 
-        # /healthz, /metrics and /v1/push are answered by agent.hotpath before a request reaches
-        # FastAPI; these routes document them in the OpenAPI schema, and answer HEAD
-        @app.get("/healthz", summary="Liveness and readiness")
-        async def healthz() -> dict[str, Any]:
-            return self._health()
+        @app.get("/healthz", summary="Liveness and readiness", response_model=dict[str, Any])
+        async def healthz() -> JSONResponse:
+            return JSONResponse(self._health())
 
-        @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs",
-                 response_class=Response)
+        @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs", response_class=Response)
         async def metrics() -> Response:
             return Response(self.metrics(), media_type=CONTENT_TYPE_LATEST)
 
-        @app.post("/v1/push", response_model=PushReply, summary="One rank's snapshot",
-                  responses=_errors(400, 401, 403, 413, 422, 429))
-        async def push(request: Request, snapshot: RankSnapshot) -> PushReply:
-            host = request.client.host if request.client is not None else None
-            scope = push_scope(host, request.headers.get("authorization", ""), cfg)
-            if scope is None:
-                self.stats.count("pushes", "unauthorized")
-                raise HTTPException(401, PUSH_REFUSED, headers={"WWW-Authenticate": "Bearer"})
-            try:
-                proof = PushProof(scope, digest(request.headers.get(RUN_KEY_HEADER, "")))
-                return PushReply(commands=self.accept_push(snapshot, None, proof))
-            except Refused as exc:  # PushRefused (403) included
-                raise HTTPException(exc.status, exc.detail) from None
-
         @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action",
-                 responses=_errors(401))
+                 responses=documented(401))
         def runs() -> dict[str, Any]:
             return {"runs": self.store.all_runs()}
 
@@ -315,12 +231,12 @@ class Agent:
             return status
 
         @app.get("/v1/runs/{run}", summary="One run's state, ranks, last action and checkpoint (empty namespace)",
-                 responses=_errors(401, 404, 422))
+                 responses=documented(401, 404, 422))
         def run_status(run: str) -> dict[str, Any]:
             return status_of("", run)
 
         @app.get("/v1/namespaces/{namespace}/runs/{run}", summary="One run of a namespace: state, ranks, last action",
-                 responses=_errors(401, 404, 422))
+                 responses=documented(401, 404, 422))
         def namespaced_run_status(namespace: str, run: str) -> dict[str, Any]:
             return status_of(namespace, run)
 
@@ -355,7 +271,7 @@ class Agent:
             return ActionAccepted(accepted=True, id=standing.id, run=run, namespace=namespace, action=body.action,
                                   coalesced=outcome == "coalesced", hosted=True, live=True, live_ranks=live)
 
-        action_responses = {**_errors(400, 401, 403, 413, 422, 429), **_NO_LIVE_RANK}
+        action_responses = {**documented(400, 401, 403, 413, 422, 429), **_NO_LIVE_RANK}
 
         @app.post("/v1/runs/{run}/actions", status_code=202, summary="Ask every rank of a run to act (empty namespace)",
                   response_model=ActionAccepted, responses=action_responses)
@@ -370,17 +286,17 @@ class Agent:
             return act(request, namespace, run, body)
 
         @app.post("/v1/alertmanager", status_code=202, summary="Alertmanager webhook (payload version 4)",
-                  responses=_errors(400, 401, 403, 413, 422, 503))
+                  responses=documented(400, 401, 403, 413, 422, 503))
         def webhook(request: Request, payload: WebhookPayload = Body(...)) -> JSONResponse:  # noqa: B008
             scope = require_control(request, cfg)
             return self.webhooks.handle(payload, scope, forwarded=request.headers.get(FORWARDED_HEADER) == "1")
 
         @app.get("/v1/alerts", summary="Recently received alerts and what was done with them",
-                 responses=_errors(401))
+                 responses=documented(401))
         def alerts() -> dict[str, Any]:
             return {"alerts": list(self.alert_log)}
 
-        @app.get("/v1/nvml", summary="The last NVML sample, for evidence bundles", responses=_errors(401))
+        @app.get("/v1/nvml", summary="The last NVML sample, for evidence bundles", responses=documented(401))
         def nvml_snapshot() -> dict[str, Any]:
             if self.nvml is None:
                 return {"available": False, "reason": "NVML collector disabled"}
@@ -389,30 +305,4 @@ class Agent:
             except Exception as exc:
                 return {"available": False, "reason": str(exc)}
 
-        _document_push_stream(app)
         return app
-
-
-def _document_push_stream(app: FastAPI) -> None:
-    """Adds ``POST /v1/push/stream`` (agent.push_stream) to the OpenAPI schema. Only the hot path
-    serves it: a FastAPI route would have to read a body that never ends before it could answer."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        schema = build()
-        ndjson = {"application/x-ndjson": {"schema": {"$ref": "#/components/schemas/RankSnapshot"}}}
-        schema["paths"].setdefault("/v1/push/stream", {"post": {
-            "summary": "A rank's pushes on one kept-open request: a snapshot or delta per NDJSON line",
-            "operationId": "push_stream",
-            "description": "Answers 200 at once, then streams NDJSON: a line with the commands for a rank "
-                           "after its snapshot, a line per refused input line, and a summary when the body "
-                           "ends. See agent/push_stream.py.",
-            "requestBody": {"required": True, "content": ndjson},
-            "responses": {"200": {"description": "Streamed NDJSON answer",
-                                  "content": {"application/x-ndjson": {"schema": {"type": "object"}}}},
-                          **{str(code): {"description": _PROBLEMS[code], "content": {"application/json": {
-                              "schema": {"$ref": "#/components/schemas/Problem"}}}} for code in (401, 422)}},
-        }})
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

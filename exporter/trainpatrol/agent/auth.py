@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastapi import HTTPException, Request
 
 from .config import AgentConfig, is_loopback
+from .run_keys import RUN_KEY_HEADER, digest
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,11 @@ def require_control(request: Request, config: AgentConfig) -> Scope:
 PUSH_REFUSED = "Pushes from other hosts must carry the bearer token; a token that is sent must be right."
 
 
-def push_scope(client_host: str | None, authorization: str, config: AgentConfig) -> Scope | None:
-    """Pushes come from loopback without a token, or carry a right one (a wrong one is refused from
-    loopback too); None when refused."""
-    presented = bearer(authorization)
-    if client_host is not None and is_loopback(client_host) and not presented:
-        return EVERY
-    return scope_of(config, presented)
+def push_proof(request: Request, config: AgentConfig) -> PushProof:
+    """What a push proves, for the single route and the stream alike: pushes come from loopback
+    without a token, or carry a right one (a wrong one is refused from loopback too); else 401."""
+    presented = _presented(request)
+    scope = EVERY if not presented and client_is_loopback(request) else scope_of(config, presented)
+    if scope is None:
+        raise HTTPException(401, PUSH_REFUSED, headers={"WWW-Authenticate": "Bearer"})
+    return PushProof(scope, digest(request.headers.get(RUN_KEY_HEADER, "")))

@@ -3,7 +3,7 @@
 - **Host.** Every route answers only to loopback names (``localhost``, ``127.0.0.1``, ``[::1]``, any
   port), the bind address and ``allowed_hosts``; any other Host header gets 421. A web page whose
   name an attacker rebinds to 127.0.0.1 sends its own name as Host, so it reaches nothing.
-- **Token.** With a token configured, every route but the pushes (agent.hotpath checks those),
+- **Token.** With a token configured, every route but the pushes (agent.pushes checks those),
   ``/healthz`` and ``/metrics`` needs it: reads included, since runs, alerts and NVML name hosts,
   checkpoint paths and pending commands. ``/metrics`` needs ``metrics_token`` when one is set.
   Without a token (a loopback agent), requests that change state must come from loopback. Either
@@ -22,8 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..collectors.agent_self import AgentStats
 from .auth import bearer, scope_of, token_ok
 from .config import AgentConfig, is_loopback
+from .problems import PUSH_PATHS
 
-PUSHES = frozenset({"/v1/push", "/v1/push/stream"})
 OPEN = frozenset({"/healthz"})
 UNAUTHORIZED = "Missing or wrong bearer token."
 LOOPBACK_ONLY = "No token is configured, so only loopback callers may use the control API."
@@ -111,7 +111,7 @@ class Edge:
             return 421, (f"Host {shown!r} is not this agent's: DNS rebinding is refused. Add the name to "
                          "allowed_hosts (TRAINPATROL_ALLOWED_HOSTS) if it is one of ours."), False
         path = scope["path"]
-        if path in PUSHES or path in OPEN:
+        if path in PUSH_PATHS or path in OPEN:
             return None
         presented = bearer(authorization.decode("latin-1"))
         cfg = self.config

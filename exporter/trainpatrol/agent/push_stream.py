@@ -1,9 +1,9 @@
 """``POST /v1/push/stream``: a rank's pushes as one long-lived request, one JSON snapshot per line.
 
-A request per push cost the agent about 0.4 ms of HTTP handling (parsing, a task, two socket
-writes), more than the push itself; at 64 ranks that alone broke the 2 % CPU budget
-(bench/scrape.py). On a stream a push is one more chunk of a body that is already open, and the
-agent writes only when it has something to say. The answer is NDJSON, streamed:
+A request per push costs the agent more HTTP handling (parsing, a task, two socket writes) than the
+push itself; at 64 ranks that alone broke the CPU budget (bench/scrape.py, docs/benchmarks.md). On a
+stream a push is one more chunk of a body that is already open, and the agent writes only when it
+has something to say. The answer is NDJSON, streamed:
 
 - ``{"run", "rank", "seq", "commands": [...]}`` after a snapshot whose run has commands for it;
 - ``{"line", "status", "detail"[, "errors"]}`` for a refused line (422 invalid, 413 too long, 403 a
@@ -34,7 +34,7 @@ from ..collectors.agent_self import AgentStats
 from ..protocol import Command, RankSnapshot, SnapshotDelta
 from .auth import PushProof
 from .bounds import Refused
-from .problems import validation_problem
+from .problems import invalid
 
 log = logging.getLogger(__name__)
 NDJSON = b"application/x-ndjson"
@@ -196,7 +196,8 @@ class PushStream:
         except (ValidationError, ValueError) as exc:
             self.stats.count("pushes", "invalid")
             stream.counts["refused"] += 1
-            problem = validation_problem(exc) if isinstance(exc, ValidationError) else {"detail": str(exc)}
+            problem = (invalid(exc.errors(include_url=False), ("body",)) if isinstance(exc, ValidationError)
+                       else {"detail": str(exc)})
             stream.bases.clear()  # deltas after a refused line would build on the wrong base: whole lines first
             await self._reply(stream, {"line": number, "status": 422, **problem})
             return

@@ -9,28 +9,37 @@ Alertmanager re-sends; after a 4xx it would wait a group_interval, and a 2xx end
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from .alerts import Alert, WebhookPayload, classify, to_command
+from ..protocol import Command
+from .alerts import Alert, Deduper, WebhookPayload, classify, to_command
 from .auth import Scope
 from .bounds import Refused
+from .config import AgentConfig
 from .refusals import no_live_rank
-
-if TYPE_CHECKING:
-    from .app import Agent
+from .router import Router
+from .store import Enqueued, RankStore
 
 _FORGOTTEN = ("no_live_rank", "rate_limited", "over_limit", "forward_failed", "no_peer")
 """Outcomes of alerts not acted on: a re-send of one is handled again."""
 
 
 class Webhooks:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    """``enqueue`` queues a command as the agent does (raises ``Refused`` over a bound); ``count(outcome)``
+    counts an alert; ``log`` keeps the recent ones for ``GET /v1/alerts``."""
+
+    def __init__(self, config: AgentConfig, store: RankStore, enqueue: Callable[[Command], tuple[Enqueued, Command]],
+                 router: Router, dedupe: Deduper, log: deque[dict[str, Any]], count: Callable[[str], None],
+                 clock: Callable[[], float]) -> None:
+        self.config, self.store, self.enqueue, self.router = config, store, enqueue, router
+        self.dedupe, self.log, self.count, self.clock = dedupe, log, count, clock
 
     def handle(self, payload: WebhookPayload, scope: Scope, *, forwarded: bool) -> JSONResponse:
-        agent, cfg = self.agent, self.agent.config
+        cfg = self.config
         routing = bool(cfg.peers or cfg.peers_dns) and not forwarded
         results: list[dict[str, Any]] = []
         refused: list[str] = []
@@ -42,15 +51,15 @@ class Webhooks:
             detail = ""
             if kind == "act" and not scope.allows(namespace):
                 kind = "forbidden_namespace"  # not marked seen: the right token may send it yet
-            elif not agent.dedupe.first_time(alert):
+            elif not self.dedupe.first_time(alert):
                 kind = "duplicate"
             elif kind == "act":
-                command = to_command(alert, agent.clock())
-                if routing and not agent.store.hosts_run(command.run, namespace):
+                command = to_command(alert, self.clock())
+                if routing and not self.store.hosts_run(command.run, namespace):
                     kind = "forwarded"  # the router's case: a peer hosts the run; settled below
-                elif agent.store.live_ranks(command.run, namespace):
+                elif self.store.live_ranks(command.run, namespace):
                     try:
-                        enqueued, _ = agent.enqueue(command)
+                        enqueued, _ = self.enqueue(command)
                         kind = "act" if enqueued == "queued" else enqueued
                     except Refused as exc:  # not acted on: a re-send once the queue drains acts
                         kind, detail = "over_limit", exc.detail
@@ -60,21 +69,21 @@ class Webhooks:
                 refused.append(f"{name}: action {alert.labels.get('action')!r}")
             record = {"alertname": name, "fingerprint": alert.fingerprint, "startsAt": alert.startsAt,
                       "status": alert.status, "namespace": namespace, "run": alert.labels.get("run", ""),
-                      "action": alert.labels.get("action", ""), "outcome": kind, "received": agent.clock()}
+                      "action": alert.labels.get("action", ""), "outcome": kind, "received": self.clock()}
             if detail:
                 record["detail"] = detail
             if kind == "forwarded":
                 remote.append((alert, record))
             results.append(record)
         if remote:
-            delivered = agent.router.deliver([a for a, _ in remote], payload.model_dump(exclude={"alerts"}))
+            delivered = self.router.deliver([a for a, _ in remote], payload.model_dump(exclude={"alerts"}))
             for (_, record), outcome in zip(remote, delivered, strict=True):
                 record["outcome"] = outcome
         for alert, record in zip(payload.alerts, results, strict=True):
             if record["outcome"] in _FORGOTTEN:
-                agent.dedupe.forget(alert)
-            agent.stats.count("alerts", str(record["outcome"]))
-            agent.alert_log.append(record)
+                self.dedupe.forget(alert)
+            self.count(str(record["outcome"]))
+            self.log.append(record)
         if refused:
             return JSONResponse({"detail": "Action not in the allow-list: " + "; ".join(refused),
                                  "results": results}, status_code=403)
