@@ -19,9 +19,9 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..collectors.agent_self import AgentStats
 from .auth import bearer, scope_of, token_ok
 from .config import AgentConfig, is_loopback
+from .stats import AgentStats
 
 PUSHES = frozenset({"/v1/push", "/v1/push/stream"})
 OPEN = frozenset({"/healthz"})

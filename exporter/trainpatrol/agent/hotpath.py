@@ -24,7 +24,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..collectors.agent_self import AgentStats
 from ..protocol import PushReply, RankSnapshot
 from .auth import PUSH_REFUSED, PushProof, push_scope
 from .bounds import Refused
@@ -32,6 +31,7 @@ from .config import AgentConfig
 from .problems import too_large, validation_problem
 from .push_stream import NDJSON, Accept, PushStream
 from .run_keys import RUN_KEY_HEADER, digest
+from .stats import AgentStats
 
 JSON = b"application/json"
 _EMPTY_REPLY = PushReply().model_dump_json().encode()
