@@ -80,16 +80,6 @@ def test_whole_then_delta_lines_are_merged_and_exposed() -> None:
     assert pushes(agent)["ok"] == 3.0
 
 
-def test_a_delta_line_after_another_write_to_its_rank_is_refused() -> None:
-    """A delta builds on what its own stream wrote last: a single push in between takes that away."""
-    agent, client = make()
-    assert answer(client, body(snap()))[-1] == {"accepted": 1, "refused": 0}
-    assert client.post("/v1/push", json=snap(seq=2, loss=0.5), headers=AUTH).status_code == 200
-    lines = answer(client, body(delta(seq=3, changed=[[0, 9.0]])))
-    assert lines[0]["status"] == 422 and "needs a whole snapshot" in lines[0]["detail"]
-    assert values(agent)["trainpatrol_loss"] == 0.5
-
-
 def test_a_rank_with_commands_hears_them_on_its_stream() -> None:
     agent, client = make()
     agent.enqueue(Command(id=7, run="r1", action="pause", reason="test", created=time.time()))

@@ -59,11 +59,12 @@ def test_a_push_of_other_series_is_written_with_its_own_series_only() -> None:
 
 def test_a_delta_line_assigns_the_slots_it_names_onto_the_streams_last_write() -> None:
     store = RankStore(clock=Clock())
-    first = StreamWrite(None, 0)
+    first = StreamWrite(None, None)
     store.push(snap(loss=1.5, step=5), line=first)
     line = StreamWrite([(1, 0.25), (2, 3)], first.written)
     store.push(delta([(1, 0.25), (2, 3)]), line=line)
-    assert line.written > first.written
+    assert first.written is not None and first.written.values == [5.0, 1.5, 0.0]  # as it was written
+    assert line.written is not None and line.written.values == [5.0, 0.25, 3.0]
     text = body(store)
     labels = {"run": "r1", "rank": "0"}
     assert value(text, "trainpatrol_loss", labels) == 0.25
@@ -72,21 +73,32 @@ def test_a_delta_line_assigns_the_slots_it_names_onto_the_streams_last_write() -
     assert store.entries()[0].snapshot.step == 6  # every other field travels whole
 
 
-@pytest.mark.parametrize("case", ["no base", "another write in between", "another instance", "index outside"])
+def test_a_delta_builds_on_its_own_streams_last_line_whatever_was_pushed_in_between() -> None:
+    """A Patrol's state change goes out as a single push; its stream's next delta names only what
+    moved since the stream's last line, so the values it leaves out are that line's, not the push's."""
+    store = RankStore(clock=Clock())
+    first = StreamWrite(None, None)
+    store.push(snap(loss=1.5, step=5), line=first)
+    store.push(snap(loss=1.0, step=5), key_digest=b"")  # off the stream: the loss moved and moves back
+    store.push(delta([(0, 6.0)]), line=StreamWrite([(0, 6.0)], first.written))
+    assert (loss(store), value(body(store), "trainpatrol_step_total", {"run": "r1", "rank": "0"})) == (1.5, 6.0)
+
+
+@pytest.mark.parametrize("case", ["no base", "other series in between", "another instance", "index outside"])
 def test_a_delta_without_its_base_is_refused_and_changes_nothing(case: str) -> None:
     store = RankStore(clock=Clock())
-    first = StreamWrite(None, 0)
+    first = StreamWrite(None, None)
     store.push(snap(loss=1.5), line=first)
-    base = first.written
-    if case == "another write in between":
-        store.push(snap(loss=1.0))  # a single push, off the stream
+    if case == "other series in between":
+        store.push(RankSnapshot.model_validate({"run": "r1", "rank": 0, "world_size": 4, "instance": "a" * 16,
+                                                "samples": [{"name": "trainpatrol_loss", "value": 1.0}]}))
     changed = [(3, 9.0)] if case == "index outside" else [(1, 9.0)]
-    line = StreamWrite(changed, 0 if case == "no base" else base)
+    line = StreamWrite(changed, None if case == "no base" else first.written)
     before = body(store)
     with pytest.raises(NeedsWholeSnapshot, match="outside the 3 samples" if case == "index outside"
                        else "needs a whole snapshot of run 'r1' rank 0 earlier on the same stream; send one"):
         store.push(delta(changed, instance="b" * 16 if case == "another instance" else "a" * 16), line=line)
-    assert line.written == 0 and body(store) == before
+    assert line.written is None and body(store) == before
 
 
 def test_refused_pushes_leave_the_record_as_it_was() -> None:
@@ -94,9 +106,9 @@ def test_refused_pushes_leave_the_record_as_it_was() -> None:
     store = RankStore(clock=clock, bounds=Bounds(max_series=4))
     store.push(snap(loss=1.5, step=5, seq=5), key_digest=b"k1")
     before = body(store)
-    line = StreamWrite(None, 0)
+    line = StreamWrite(None, None)
     assert store.push(snap(loss=9.0, step=4, seq=4), key_digest=b"k1", line=line) == []  # late, reordered
-    assert line.written == 0
+    assert line.written is None
     with pytest.raises(WrongRunKey):
         store.push(snap(loss=8.0, seq=6), key_digest=b"k2")
     with pytest.raises(Refused):  # a new rank would bring the agent to 6 series

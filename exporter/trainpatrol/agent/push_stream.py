@@ -35,7 +35,7 @@ from .auth import PushProof
 from .bounds import Refused
 from .problems import validation_problem
 from .stats import AgentStats
-from .store import NeedsWholeSnapshot, StreamWrite
+from .store import NeedsWholeSnapshot, StreamBase, StreamWrite
 
 log = logging.getLogger(__name__)
 NDJSON = b"application/x-ndjson"
@@ -62,8 +62,8 @@ class _Stream:
     send: Send
     proof: PushProof
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "refused": 0})
-    bases: dict[tuple[str, str, int], int] = field(default_factory=dict)
-    """Per (namespace, run, rank), the record generation this stream last wrote (agent.store)."""
+    bases: dict[tuple[str, str, int], StreamBase] = field(default_factory=dict)
+    """Per (namespace, run, rank), what this stream last wrote: its next delta's base (agent.store)."""
     open: bool = True
     queued: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -192,7 +192,7 @@ class PushStream:
         try:
             snapshot = SnapshotDelta.model_validate_json(line)
             key = (snapshot.namespace, snapshot.run, snapshot.rank)
-            write = StreamWrite(snapshot.changed, stream.bases.get(key, 0))
+            write = StreamWrite(snapshot.changed, stream.bases.get(key))
             commands = self.accept(snapshot, write, stream.proof)
         except (ValidationError, NeedsWholeSnapshot) as exc:
             self.stats.count("pushes", "invalid")
@@ -206,7 +206,7 @@ class PushStream:
             stream.bases.pop(key, None)
             await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
             return
-        if write.written:
+        if write.written is not None:
             if key not in stream.bases and len(stream.bases) >= MAX_RANKS_PER_STREAM:
                 stream.bases.pop(next(iter(stream.bases)))
             stream.bases[key] = write.written

@@ -29,15 +29,24 @@ class RankEntry:
     last_step_advance: float
 
 
+@dataclass(frozen=True, slots=True)
+class StreamBase:
+    """What a push stream last wrote for a rank: the record's layout and the values array written
+    (never changed afterwards). A single push in between (a Patrol's state change) changes neither."""
+
+    layout: int
+    values: list[float]
+
+
 @dataclass(slots=True)
 class StreamWrite:
-    """A push stream's line for the store: its delta pairs (None for a whole snapshot) and the
-    record generation this stream last wrote for the rank (0: none). The store sets ``written``:
-    the generation of this write, 0 when it kept the record as it was."""
+    """A push stream's line for the store: its delta pairs (None for a whole snapshot) and what
+    this stream last wrote for the rank. The store sets ``written``; None when it kept the record
+    as it was (a late push)."""
 
     changed: list[tuple[int, float]] | None
-    base: int
-    written: int = 0
+    base: StreamBase | None
+    written: StreamBase | None = None
 
 
 class NeedsWholeSnapshot(ValueError):
@@ -105,7 +114,7 @@ class RankStore:
                 raise WrongRunKey(run)
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
-                return []  # a late, reordered push: keep the newer state (``written`` stays 0)
+                return []  # a late, reordered push: keep the newer state (``written`` stays None)
             held = old.record.samples if old is not None else 0
             pushed = held if changed is not None else len(snap.samples)
             series = self._series - held + pushed
@@ -119,11 +128,11 @@ class RankStore:
             if old is None:
                 record = RankRecord(snap, self._generation)
             elif changed is not None:
-                (record := old.record).assign(changed, self._generation)
+                (record := old.record).assign(line.base.values, changed, self._generation)  # type: ignore[union-attr]
             else:
                 (record := old.record).replace(snap, self._generation)
             if line is not None:
-                line.written = self._generation
+                line.written = StreamBase(record.layout_of, record.values)
             entry = self._ranks[key] = RankEntry(snap, record, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(run):
@@ -303,9 +312,11 @@ class RankStore:
         }
 
 
-def _check_delta(snap: RankSnapshot, old: RankEntry | None, base: int, changed: list[tuple[int, float]]) -> None:
-    """A delta applies onto the record the same stream wrote last for the rank, from the same Patrol."""
-    if old is None or old.record.generation != base or old.snapshot.instance != snap.instance:
+def _check_delta(snap: RankSnapshot, old: RankEntry | None, base: StreamBase | None,
+                 changed: list[tuple[int, float]]) -> None:
+    """A delta applies onto what the same stream wrote last for the rank, from the same Patrol, while
+    the rank's record keeps that layout."""
+    if base is None or old is None or old.record.layout_of != base.layout or old.snapshot.instance != snap.instance:
         raise NeedsWholeSnapshot(f"A delta line needs a whole snapshot of run {snap.run!r} rank {snap.rank} "
                                  "earlier on the same stream; send one.")
     held = old.record.samples

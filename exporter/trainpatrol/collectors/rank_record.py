@@ -1,8 +1,10 @@
 """One rank's series as the agent holds and writes them: laid out once, its values in a flat array.
 
 The layout (a ``%``-template of each catalogue family's lines, labels escaped) changes only when the
-rank pushes other series; a push replaces the values, a delta line assigns some of them. Writing a
-record is one ``%`` per family over its values in Go's float format.
+rank pushes other series; each write replaces the values array (a delta line's is its stream's last
+array with the changed slots assigned), and no array is changed once written, so a push stream may
+keep the one it wrote as the base of its next delta. Writing a record is one ``%`` per family over
+its values in Go's float format.
 """
 
 from __future__ import annotations
@@ -78,11 +80,13 @@ class Layout:
 class RankRecord:
     """A rank's layout and values. Its owner (agent.store) serialises writes and reads."""
 
-    __slots__ = ("_texts", "_texts_of", "generation", "key", "layout", "samples", "values")
+    __slots__ = ("_texts", "_texts_of", "generation", "key", "layout", "layout_of", "samples", "values")
 
     def __init__(self, snap: RankSnapshot, generation: int) -> None:
         self.key: Hashable = None
         self.layout: Layout
+        self.layout_of = generation
+        """The generation whose push made the layout: deltas apply only onto arrays laid out so."""
         self.samples = 0
         """How many pushed samples the record holds: the indices a delta line may assign."""
         self.values: list[float] = []
@@ -95,16 +99,18 @@ class RankRecord:
         """A whole push: its values, and a new layout only where its series differ."""
         key = series_key(snap)
         if key != self.key:
-            self.key, self.layout = key, Layout.of(snap)
+            self.key, self.layout, self.layout_of = key, Layout.of(snap), generation
         self.samples = len(snap.samples)
         self.values = values_of(snap)
         self.generation = generation
 
-    def assign(self, changed: Iterable[tuple[int, float]], generation: int) -> None:
-        """A delta line's (sample index, value) pairs; the indices were checked against ``samples``."""
-        values = self.values
+    def assign(self, base: list[float], changed: Iterable[tuple[int, float]], generation: int) -> None:
+        """A delta line: ``base`` (an array of this layout) with its (sample index, value) pairs
+        assigned, as a new array; the indices were checked against ``samples``."""
+        values = base.copy()
         for i, value in changed:
             values[i] = float(value)
+        self.values = values
         self.generation = generation
 
     def texts(self) -> tuple[str, ...]:
