@@ -7,7 +7,7 @@ import pytest
 
 from exposition_check import assert_as_generate_latest, assert_clean, promtool_problems
 from markers import needs_promtool
-from trainpatrol.exposition import escape_label, family, go_float, header, line
+from trainpatrol.exposition import escape_label, family, go_float, go_floats, header, line
 
 HOSTILE = {"newline": "a\nb", "backslash": "a\\b", "quote": 'a"b', "all": 'x\\"\n\\n"\\'}
 
@@ -21,6 +21,7 @@ HOSTILE = {"newline": "a\nb", "backslash": "a\\b", "quote": 'a"b', "all": 'x\\"\
 ])
 def test_go_float_writes_values_as_go_does(value: float, written: str) -> None:
     assert go_float(value) == written
+    assert go_floats([float(value)]) == [written]
 
 
 @pytest.mark.parametrize("value", [0.0, -0.0, 1e6, 1.5e16, 1e-7, 10**20, float("nan"), float("inf"), float("-inf")])

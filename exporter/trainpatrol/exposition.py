@@ -41,6 +41,18 @@ def go_float(value: float) -> str:
     return text
 
 
+def go_floats(values: Sequence[float]) -> list[str]:
+    """``go_float`` of each float in one pass: a rank's record or a family of byte counts, most of
+    them written as ``repr`` writes them or in Go's exponent form above 1e6."""
+    return [go_float(v) if t[-1] in "nf" else  # nan, inf: a finite repr ends in a digit
+            f"{t[0]}.{t[1:d]}{t[d + 1:]}".rstrip("0.") + _EXPONENT[d] if (d := t.find(".")) > 6 and t[0] != "-" else t
+            for v, t in zip(values, map(repr, values), strict=True)]
+
+
+_EXPONENT = tuple(f"e+{dot - 1:02d}" for dot in range(24))
+"""Go's exponent for a repr whose dot is at this index (a repr without an exponent has at most 17 digits)."""
+
+
 def escape_label(value: str) -> str:
     """A label value inside its double quotes."""
     if "\\" in value or "\n" in value or '"' in value:

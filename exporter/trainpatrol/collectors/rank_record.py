@@ -9,11 +9,12 @@ its values in Go's float format.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 
 from ..catalogue import RANK_METRICS, STEP_DURATION_BUCKETS
-from ..exposition import go_float, head, label_block
+from ..exposition import go_floats, head, label_block
 from ..protocol import RankSnapshot
 
 WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
@@ -52,8 +53,8 @@ class Layout:
     """``rank="…",run="…"`` and the workload labels: the label block of the rank's liveness lines."""
     templates: tuple[str, ...]
     """Per catalogue family, its lines with ``%s`` where each value goes (an info's is always 1.0)."""
-    slots: tuple[tuple[int, ...], ...]
-    """Per catalogue family, the indices of its values."""
+    slots: tuple[Callable[[list[str]], tuple[str, ...]], ...]
+    """Per catalogue family, the texts of its values, taken from the texts of all values."""
 
     @classmethod
     def of(cls, snap: RankSnapshot) -> Layout:
@@ -74,7 +75,7 @@ class Layout:
                      head(_HISTOGRAM + "_count", base), head(_HISTOGRAM + "_sum", base)]
             lines[j] = [_percent(h) + "%s\n" for h in heads]
             slots[j] = list(range(at, at + len(heads)))
-        return cls(label_block(base), tuple(map("".join, lines)), tuple(map(tuple, slots)))
+        return cls(label_block(base), tuple(map("".join, lines)), tuple(map(_getter, slots)))
 
 
 class RankRecord:
@@ -116,11 +117,17 @@ class RankRecord:
     def texts(self) -> tuple[str, ...]:
         """Per catalogue family, this rank's lines; written again only after a write to the record."""
         if self._texts_of != self.generation:
-            text = list(map(go_float, self.values))
-            self._texts = tuple([t % tuple([text[i] for i in s])
-                                 for t, s in zip(self.layout.templates, self.layout.slots, strict=True)])
+            text = go_floats(self.values)
+            self._texts = tuple([t % s(text) for t, s in zip(self.layout.templates, self.layout.slots, strict=True)])
             self._texts_of = self.generation
         return self._texts
+
+
+def _getter(slots: list[int]) -> Callable[[list[str]], tuple[str, ...]]:
+    """The texts at ``slots`` as a tuple (``itemgetter`` of one index gives the item itself)."""
+    if len(slots) > 1:
+        return itemgetter(*slots)
+    return lambda texts: tuple([texts[i] for i in slots])
 
 
 def _percent(text: str) -> str:
