@@ -63,8 +63,8 @@ def test_a_delta_line_assigns_the_slots_it_names_onto_the_streams_last_write() -
     store.push(snap(loss=1.5, step=5), line=first)
     line = StreamWrite([(1, 0.25), (2, 3)], first.written)
     store.push(delta([(1, 0.25), (2, 3)]), line=line)
-    assert first.written is not None and first.written.values == [5.0, 1.5, 0.0]  # as it was written
-    assert line.written is not None and line.written.values == [5.0, 0.25, 3.0]
+    assert first.written is not None and first.written.values == ["5.0", "1.5", "0.0"]  # as it was written
+    assert line.written is not None and line.written.values == ["5.0", "0.25", "3.0"]
     text = body(store)
     labels = {"run": "r1", "rank": "0"}
     assert value(text, "trainpatrol_loss", labels) == 0.25

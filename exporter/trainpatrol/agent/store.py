@@ -35,7 +35,7 @@ class StreamBase:
     (never changed afterwards). A single push in between (a Patrol's state change) changes neither."""
 
     layout: int
-    values: list[float]
+    values: list[str]
 
 
 @dataclass(slots=True)

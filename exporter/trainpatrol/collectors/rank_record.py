@@ -1,10 +1,11 @@
 """One rank's series as the agent holds and writes them: laid out once, its values in a flat array.
 
 The layout (a ``%``-template of each catalogue family's lines, labels escaped) changes only when the
-rank pushes other series; each write replaces the values array (a delta line's is its stream's last
-array with the changed slots assigned), and no array is changed once written, so a push stream may
-keep the one it wrote as the base of its next delta. Writing a record is one ``%`` per family over
-its values in Go's float format.
+rank pushes other series. The values are held as the text format writes them (Go's float format),
+formatted once as they arrive rather than at every scrape. Each write replaces the array (a delta
+line's is its stream's last array with the changed slots assigned), and no array is changed once
+written, so a push stream may keep the one it wrote as the base of its next delta. Writing a record
+is one ``%`` per family over its values.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from ..catalogue import RANK_METRICS, STEP_DURATION_BUCKETS
-from ..exposition import go_floats, head, label_block
+from ..exposition import go_float, go_floats, head, label_block
 from ..protocol import RankSnapshot
 
 WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
@@ -38,13 +39,13 @@ def series_key(snap: RankSnapshot) -> Hashable:
             snap.histogram is not None)
 
 
-def values_of(snap: RankSnapshot) -> list[float]:
-    """The samples' values, then the step histogram's bucket counts, count and sum."""
+def values_of(snap: RankSnapshot) -> list[str]:
+    """The samples' values, then the step histogram's bucket counts, count and sum, as written."""
     values = [float(s.value) for s in snap.samples]
     if snap.histogram is not None:
         counts = snap.histogram.counts
         values += [*map(float, counts), float(counts[-1]), float(snap.histogram.sum)]
-    return values
+    return go_floats(values)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class RankRecord:
         """The generation whose push made the layout: deltas apply only onto arrays laid out so."""
         self.samples = 0
         """How many pushed samples the record holds: the indices a delta line may assign."""
-        self.values: list[float] = []
+        self.values: list[str] = []
         self.generation = generation
         self._texts: tuple[str, ...] = ()
         self._texts_of = -1
@@ -105,20 +106,20 @@ class RankRecord:
         self.values = values_of(snap)
         self.generation = generation
 
-    def assign(self, base: list[float], changed: Iterable[tuple[int, float]], generation: int) -> None:
+    def assign(self, base: list[str], changed: Iterable[tuple[int, float]], generation: int) -> None:
         """A delta line: ``base`` (an array of this layout) with its (sample index, value) pairs
         assigned, as a new array; the indices were checked against ``samples``."""
         values = base.copy()
         for i, value in changed:
-            values[i] = float(value)
+            values[i] = go_float(value)
         self.values = values
         self.generation = generation
 
     def texts(self) -> tuple[str, ...]:
         """Per catalogue family, this rank's lines; written again only after a write to the record."""
         if self._texts_of != self.generation:
-            text = go_floats(self.values)
-            self._texts = tuple([t % s(text) for t, s in zip(self.layout.templates, self.layout.slots, strict=True)])
+            values = self.values
+            self._texts = tuple([t % s(values) for t, s in zip(self.layout.templates, self.layout.slots, strict=True)])
             self._texts_of = self.generation
         return self._texts
 
