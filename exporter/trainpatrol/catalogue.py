@@ -108,7 +108,7 @@ RANK_METRICS: tuple[Metric, ...] = (
 AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "agent_info", "info", "", "Agent identity.", "version", "host", "mode"),
     _a(P + "collector_success", "gauge", "", "1 if the collector's last run succeeded.", "collector"),
-    _a(P + "collector_duration_seconds", "gauge", "seconds", "Duration of the collector's last run that found something new.", "collector"),
+    _a(P + "collector_duration_seconds", "gauge", "seconds", "Duration of the collector's last collection (it collects when it has something new).", "collector"),
     _a(P + "rank_up", "gauge", "", "1 while the rank pushed within the liveness TTL.", "run", "rank"),
     _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
     _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),

@@ -59,30 +59,14 @@ def same_value(a: float, b: float) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sample:
-    """One series of a rank metric. A plain dataclass, which pydantic validates as it would a model:
-    the agent builds one per changed value of every delta push, ten times cheaper than a model."""
+    """One series of a rank metric. A plain dataclass, which pydantic validates as it would a model,
+    cheaper than a model for the hundred samples of every push."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # strict per field: a strict dataclass refuses dicts
     name: Annotated[str, Field(max_length=128, strict=True)]
     labels: Annotated[dict[str, Annotated[str, Field(max_length=256, strict=True)]], Field(max_length=16)] = \
         field(default_factory=dict)
     value: Annotated[float, Field(strict=True)]
-
-
-def _with_value(sample: Sample, value: float) -> Sample:
-    """``sample`` with another value, its name and labels the very same objects. Nothing to validate:
-    both parts already were, and this runs for every changed value of every delta line, where the
-    dataclass's validating constructor cost twice as much. The slots are set through their
-    descriptors, which the frozen dataclass's ``__setattr__`` does not guard."""
-    new = _NEW(Sample)
-    _SET_NAME(new, sample.name)
-    _SET_LABELS(new, sample.labels)
-    _SET_VALUE(new, value)
-    return new
-
-
-_NEW = object.__new__
-_SET_NAME, _SET_LABELS, _SET_VALUE = (vars(Sample)[slot].__set__ for slot in ("name", "labels", "value"))
 
 
 class Histogram(BaseModel):
@@ -180,29 +164,13 @@ class SnapshotDelta(RankSnapshot):
     and formatting."""
 
     changed: list[tuple[Annotated[int, Field(ge=0)], float]] | None = Field(default=None, max_length=4096)
-    """(index into the samples of the rank's last line, new value); None for a whole snapshot."""
+    """(index into the samples of the rank's last whole snapshot, new value); None for a whole
+    snapshot. The agent assigns these into the rank's record (agent.store)."""
 
-    def whole(self, base: RankSnapshot | None) -> RankSnapshot:
-        """This line made whole, given the rank's last snapshot on the same stream: a delta takes
-        the base's samples, its own objects where unchanged, with the changed values put in.
-
-        Raises ``ValueError`` for a delta without a base from the same Patrol, or with an index
-        outside the base's samples."""
-        if self.changed is None:
-            return self
-        if self.samples:
+    @model_validator(mode="after")
+    def _delta_or_whole(self) -> SnapshotDelta:
+        if self.changed is not None and self.samples:
             raise ValueError("A delta line carries `changed`, not `samples`.")
-        if base is None or base.instance != self.instance:
-            raise ValueError(f"A delta line needs a whole snapshot of run {self.run!r} rank {self.rank} "
-                             "earlier on the same stream; send one.")
-        samples = list(base.samples)
-        for index, value in self.changed:
-            if index >= len(samples):
-                raise ValueError(f"changed: sample index {index} is outside the {len(samples)} samples "
-                                 "of the rank's last whole snapshot.")
-            samples[index] = _with_value(samples[index], value)
-        # in place, as validation would have set them: a new model per push cost more than the push
-        self.__dict__.update(samples=samples, changed=None)
         return self
 
 

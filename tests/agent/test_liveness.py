@@ -1,5 +1,6 @@
-"""Issue 4: rank liveness on an injected clock, stale series removed after their TTLs, a byte-exact
-fast /metrics body, and a ``capture`` that dumps every thread's stack into the evidence directory."""
+"""Rank liveness on an injected clock, stale series removed after their TTLs, a /metrics body
+that generate_latest and promtool agree with, and a ``capture`` that dumps every thread's stack
+into the evidence directory."""
 
 from __future__ import annotations
 
@@ -12,18 +13,19 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exposition_check import assert_as_generate_latest, assert_clean
+from exposition_check import value as sample_value
 from fake_clock import T0, Clock
 from loops import scripted_patrol
 from nvml_fake.fake import FakeNvml
 from servers import agent, http_json, wait_for
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
-from trainpatrol.agent.exposition import exposition
+from trainpatrol.agent.stats import AgentStats
 from trainpatrol.agent.store import RankStore
-from trainpatrol.collectors.agent_self import AgentStats
+from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.nvml import NvmlCollector
 from trainpatrol.collectors.ranks import RankCollector
 from trainpatrol.protocol import RankSnapshot
@@ -31,11 +33,9 @@ from trainpatrol.protocol import RankSnapshot
 UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0
 
 
-def store_and_registry(clock: Clock) -> tuple[RankStore, CollectorRegistry]:
+def store_and_registry(clock: Clock) -> tuple[RankStore, RankCollector]:
     store = RankStore(UP_TTL, EXPIRE, CLOSED_EXPIRE, clock=clock)
-    registry = CollectorRegistry()
-    registry.register(RankCollector(store))
-    return store, registry
+    return store, RankCollector(store)
 
 
 def snap(run: str = "r1", rank: int = 0, step: int = 0, **extra: Any) -> RankSnapshot:
@@ -44,11 +44,12 @@ def snap(run: str = "r1", rank: int = 0, step: int = 0, **extra: Any) -> RankSna
         "samples": [{"name": "trainpatrol_step_total", "labels": {}, "value": step}], **extra})
 
 
-def liveness(registry: CollectorRegistry, run: str = "r1", rank: int = 0) -> tuple[float | None, ...]:
+def liveness(registry: RankCollector, run: str = "r1", rank: int = 0) -> tuple[float | None, ...]:
     """(up, last push, last step advance, step_total) of one rank, None where the series is absent."""
     labels = {"run": run, "rank": str(rank)}
     names = ("rank_up", "rank_last_push_timestamp_seconds", "rank_last_step_timestamp_seconds", "step_total")
-    return tuple(registry.get_sample_value(f"trainpatrol_{name}", labels) for name in names)
+    body = registry.write()
+    return tuple(sample_value(body, f"trainpatrol_{name}", labels) for name in names)
 
 
 def test_last_push_and_up_follow_the_ttl() -> None:
@@ -99,7 +100,7 @@ def test_closed_run_is_removed_after_closed_expire() -> None:
     clock.now = T0 + CLOSED_EXPIRE + 0.001
     for rank in (0, 1):
         assert liveness(registry, "done", rank) == (None, None, None, None)
-    assert b'run="done"' not in generate_latest(registry)
+    assert b'run="done"' not in registry.write()
     assert set(store.runs()) == {"live"} and not store.hosts_run("done")
     assert liveness(registry, "live", 0) == (0.0, T0, T0, 1.0)  # only down: it has not vanished yet
 
@@ -112,7 +113,7 @@ def test_vanished_run_is_removed_after_rank_expire() -> None:
     assert liveness(registry, "gone") == (0.0, T0, T0, 2.0)
     clock.now = T0 + EXPIRE + 0.001
     assert liveness(registry, "gone") == (None, None, None, None)
-    assert [ln for ln in generate_latest(registry).decode().splitlines() if not ln.startswith("#")] == []
+    assert [ln for ln in registry.write().decode().splitlines() if not ln.startswith("#")] == []
     assert store.runs() == {}
 
 
@@ -135,8 +136,7 @@ def test_agent_serves_liveness_on_its_clock() -> None:
     assert value("trainpatrol_rank_last_step_timestamp_seconds") == T0
 
 
-def test_fast_exposition_is_byte_identical_to_generate_latest() -> None:
-    """/metrics formats rank and NVML samples once per reading; the body must not differ by a byte."""
+def test_the_body_of_ranks_gpus_and_counts_is_what_generate_latest_writes() -> None:
     clock = Clock()
     store = RankStore(UP_TTL, EXPIRE, CLOSED_EXPIRE, clock=clock)
     nvml = NvmlCollector(FakeNvml.from_fixture(gpus=2), clock=clock)
@@ -144,9 +144,7 @@ def test_fast_exposition_is_byte_identical_to_generate_latest() -> None:
     nvml.sample_once()  # rates need two samples
     stats = AgentStats("agent")
     stats.count("pushes", "ok")
-    registry = CollectorRegistry()
-    for collector in (RankCollector(store), nvml, stats):
-        registry.register(collector)
+    collectors = CollectorSet({"ranks": RankCollector(store), "nvml": nvml, "agent": stats})
     odd = 'quote " backslash \\ done'  # a newline is refused at the push (protocol.printable)
     for rank in range(3):
         store.push(snap("r1", rank % 2, step=rank, host=odd, samples=[
@@ -158,29 +156,24 @@ def test_fast_exposition_is_byte_identical_to_generate_latest() -> None:
                 "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0",
                     "launcher": "", "launcher_job": ""}, "value": 1.0}],
             histogram={"counts": [float(i) for i in range(len(_bounds()) + 1)], "sum": 2.5}))
-    first = exposition(registry)
-    assert first == generate_latest(registry)
-    assert exposition(registry) == first  # served again from the cached lines
+    first = collectors.body()
+    assert_clean(first)
     assert b'host="quote \\" backslash \\\\ done"' in first
     assert b"trainpatrol_step_total{rank=\"1\",run=\"r1\"} 1e+21" in first
     assert b"trainpatrol_gpu_info{" in first and b"trainpatrol_step_duration_seconds_bucket{" in first
 
 
-def test_metrics_endpoint_serves_pushes_laid_out_at_push_time() -> None:
+def test_metrics_endpoint_serves_the_last_push_of_each_rank() -> None:
     agent_ = Agent(AgentConfig(token="t", nvml=False).load(), clock=Clock())
     client = TestClient(agent_.app, base_url="http://localhost")
     for rank, step in ((0, 1), (1, 1), (0, 2)):
         body = {"run": "r1", "rank": rank, "world_size": 2, "step": step,
                 "samples": [{"name": "trainpatrol_step_total", "labels": {}, "value": step}]}
         assert client.post("/v1/push", json=body, headers={"Authorization": "Bearer t"}).status_code == 200
-    assert set(agent_.ranks._layouts) == {("", "r1", 0), ("", "r1", 1)}  # laid out as they arrived
-
-    def stable(body: bytes) -> list[str]:  # the collectors' own timings differ from call to call
-        return [ln for ln in body.decode().splitlines() if "collector_duration_seconds{" not in ln]
-
     served = client.get("/metrics").content
-    assert stable(served) == stable(generate_latest(agent_.registry))
-    assert 'trainpatrol_step_total{rank="0",run="r1"} 2.0' in stable(served)
+    assert_as_generate_latest(served)
+    assert b'trainpatrol_step_total{rank="0",run="r1"} 2.0\n' in served
+    assert b'trainpatrol_step_total{rank="1",run="r1"} 1.0\n' in served
 
 
 def _bounds() -> list[float]:
@@ -220,15 +213,15 @@ def test_capture_dumps_every_threads_stack(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("state", ["closed", "running"])
-def test_expired_rank_drops_out_of_the_render_cache(state: str) -> None:
+def test_an_expired_rank_leaves_the_body(state: str) -> None:
     clock = Clock()
     store = RankStore(UP_TTL, EXPIRE, CLOSED_EXPIRE, clock=clock)
     collector = RankCollector(store)
     store.push(snap("x", 0, step=1, state=state))
-    assert next(f for f in collector.collect() if f.name == "trainpatrol_step").samples
+    assert b'trainpatrol_step_total{rank="0",run="x"} 1.0\n' in collector.write()
     clock.now = T0 + EXPIRE + 1
-    assert not next(f for f in collector.collect() if f.name == "trainpatrol_step").samples
-    assert collector._layouts == {}
+    assert collector.changed()
+    assert collector.write() == b""
 
 
 def test_a_run_whose_ranks_all_stopped_pushing_is_down() -> None:
@@ -269,53 +262,3 @@ def test_command_queues_expire_with_their_ttl() -> None:
     clock.now = T0 + COMMAND_TTL_SECONDS + 1
     store.expire()
     assert store.pending("never-started") == []
-
-
-def test_a_table_of_ranks_writes_what_generate_latest_writes() -> None:
-    """Each family is written across ranks with one template; values it cannot write (NaN, ±Inf,
-    1e6 and above) take the line-by-line path, and ``%`` in a label is no placeholder."""
-    from prometheus_client.core import Metric
-
-    from trainpatrol.agent.exposition import Families
-    from trainpatrol.collectors.rank_lines import FAMILIES, HISTOGRAM_AT, Layout, Table, family_samples
-
-    def ranked(rank: int, loss: float, zero: float, kind: str, total: float, hsum: float) -> RankSnapshot:
-        counts = [float(min(i, 5)) for i in range(16)]
-        return snap("r1", rank, samples=[
-            {"name": "trainpatrol_loss", "labels": {}, "value": loss},
-            {"name": "trainpatrol_grad_norm", "labels": {}, "value": zero},
-            {"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": kind}, "value": 3.0},
-            {"name": "trainpatrol_step_total", "labels": {}, "value": total},
-            {"name": "trainpatrol_rank_info", "labels": {"local_rank": "0", "world_size": "2", "host": "h%d",
-                                                         "gpu_uuid": "u", "device": "cpu", "torch_version": "2",
-                                                         "cuda_version": "", "trainpatrol_version": "0",
-                                                             "launcher": "", "launcher_job": ""},
-             "value": 7.0}],
-            histogram={"counts": counts, "sum": hsum},  # rank 1 runs in a pod: its workload labels sort in
-            **({"namespace": "team-a", "pod": "w-1", "container": "trainer", "node": "gpu-12"} if rank else {}))
-
-    snaps = [ranked(0, 1.5, -0.0, "l%s", 7.0, 0.5), ranked(1, float("nan"), 0.0, "grad", 1e6, 2e6)]
-    table = Table([Layout.of(s) for s in snaps])
-    flat = [sample for s in snaps for sample in s.samples]
-    for j, name in enumerate(FAMILIES):
-        expected_samples = [x for s in snaps for x in family_samples(s).get(name, [])]
-        m = Metric(name.removesuffix("_total").removesuffix("_info"), "h", "gauge")
-        m.samples = expected_samples
-        expected = generate_latest(Families([m])).decode().split("\n", 2)[2] if expected_samples else ""
-        written = table.histogram([s.histogram for s in snaps]) if j == HISTOGRAM_AT else table.text(
-            j, table.samples(j, flat))
-        assert written == expected, name
-    text = table.text(FAMILIES.index("trainpatrol_loss"), table.samples(FAMILIES.index("trainpatrol_loss"), flat))
-    assert text == ('trainpatrol_loss{rank="0",run="r1"} 1.5\n'
-                    'trainpatrol_loss{container="trainer",namespace="team-a",node="gpu-12",pod="w-1",rank="1",'
-                    'run="r1"} NaN\n')
-    step = FAMILIES.index("trainpatrol_step_total")
-    assert table.text(step, table.samples(step, flat)).endswith(
-        'trainpatrol_step_total{container="trainer",namespace="team-a",node="gpu-12",pod="w-1",rank="1",'
-        'run="r1"} 1e+06\n')
-    kind = FAMILIES.index("trainpatrol_nonfinite_steps_total")
-    assert table.text(kind, table.samples(kind, flat)).startswith(
-        'trainpatrol_nonfinite_steps_total{kind="l%s",rank="0",run="r1"} 3.0\n')
-    assert Layout.of(snaps[0]).fits(ranked(0, 2.0, 1.0, "l%s", 8.0, 0.7))
-    assert not Layout.of(snaps[0]).fits(ranked(0, 2.0, 1.0, "grad", 8.0, 0.7))  # another label value
-    assert not Layout.of(snaps[0]).fits(ranked(1, 1.5, -0.0, "l%s", 7.0, 0.5))  # another rank

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exposition_check import assert_clean
 from servers import agent, http_get
-from trainpatrol.agent.exposition import Families, exposition
 from trainpatrol.collectors.process_self import ProcessMetrics
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -50,12 +49,16 @@ def test_the_agent_serves_its_own_process_metrics_with_plausible_values(tmp_path
 def test_process_families_are_read_once_a_second_and_written_as_generate_latest_writes_them() -> None:
     now = [100.0]
     collector = ProcessMetrics(clock=lambda: now[0])
-    first = collector.collect()
-    assert collector.collect() is first  # within the second: the same families, /proc not read again
-    now[0] += 1.0
-    later = collector.collect()
-    assert later is not first
-    assert [f.name for f in later] == ["process_resident_memory_bytes", "process_virtual_memory_bytes",
-                                       "process_cpu_seconds", "process_open_fds", "process_max_fds",
-                                       "process_start_time_seconds"]
-    assert exposition(Families(later)) == generate_latest(Families(later))
+    assert collector.changed()
+    first = collector.write()
+    now[0] += 0.999
+    assert not collector.changed()  # within the second: /proc is not read again
+    now[0] += 0.001
+    assert collector.changed()
+    later = collector.write()
+    assert [f.name for f in text_string_to_metric_families(later.decode())] == [
+        "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds",
+        "process_open_fds", "process_max_fds", "process_start_time_seconds"]
+    assert b"# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total " in later
+    assert first.split(b"process_start_time_seconds ")[1] == later.split(b"process_start_time_seconds ")[1]
+    assert_clean(later)

@@ -8,20 +8,19 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pynvml
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from exposition_check import Scraped
 from nvml_fake.fake import FakeNvml, MigInstance
 from trainpatrol.catalogue import NVML_METRICS
 from trainpatrol.collectors import _nvml_sample as ns
 from trainpatrol.collectors.health import CollectorSet
-from trainpatrol.collectors.nvml import NvmlCollector
+from trainpatrol.collectors.nvml import NvmlCollector, NvmlUnavailable
 
 UUID0 = "GPU-eec3c3a2-b837-766e-24b3-24b131d2d7d2"  # the real H200's uuid
 T0 = 1_700_000_000.0
@@ -44,20 +43,19 @@ class Clock:
         return self.now
 
 
-def setup(gpus: int = 1, **kwargs: Any) -> tuple[FakeNvml, NvmlCollector, CollectorRegistry]:
+def setup(gpus: int = 1, **kwargs: Any) -> tuple[FakeNvml, NvmlCollector, Scraped]:
     fake = FakeNvml.from_fixture(gpus=gpus)
     kwargs.setdefault("clock", Clock())
     collector = NvmlCollector(fake, interval_seconds=0.01, **kwargs)
-    registry = CollectorRegistry()
-    registry.register(CollectorSet({"nvml": collector}))
+    registry = Scraped(CollectorSet({"nvml": collector}))
     return fake, collector, registry
 
 
-def value(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float | None:
+def value(registry: Scraped, name: str, labels: dict[str, str] | None = None) -> float | None:
     return registry.get_sample_value("trainpatrol_" + name, labels or {})
 
 
-def success(registry: CollectorRegistry) -> float | None:
+def success(registry: Scraped) -> float | None:
     return value(registry, "collector_success", {"collector": "nvml"})
 
 
@@ -160,7 +158,7 @@ def test_unsupported_calls_are_left_out() -> None:
     # retired pages raised NVMLError_NotSupported on the real H200 (it remaps rows instead)
     for cause in ("multiple_single_bit_ecc", "double_bit_ecc"):
         assert value(reg, "gpu_retired_pages", gpu(0, cause=cause)) is None
-    assert b"trainpatrol_gpu_retired_pages" not in generate_latest(reg)
+    assert b"trainpatrol_gpu_retired_pages" not in reg.body()
     assert value(reg, "gpu_temperature_celsius", gpu(0, sensor="gpu")) is None
     assert value(reg, "gpu_temperature_celsius", gpu(0, sensor="memory")) == 43.0
     assert value(reg, "gpu_performance_state", gpu(0)) is None
@@ -229,18 +227,22 @@ def test_missing_driver_reports_failure_and_scrape_still_works(caplog: pytest.Lo
     fake.set_driver_unavailable("NVMLError_LibraryNotFound")
     collector = NvmlCollector(fake, interval_seconds=0.01, clock=Clock())
 
-    def other() -> Iterator[Metric]:
-        yield GaugeMetricFamily("trainpatrol_other", "Another collector.", value=1.0)
+    class Other:
+        def changed(self) -> bool:
+            return True
 
-    reg = CollectorRegistry()
-    reg.register(CollectorSet({"nvml": collector, "other": type("C", (), {"collect": staticmethod(other)})()}))
+        def write(self) -> bytes:
+            return (b"# HELP trainpatrol_other Another collector.\n# TYPE trainpatrol_other gauge\n"
+                    b"trainpatrol_other 1.0\n")
+
+    reg = Scraped(CollectorSet({"nvml": collector, "other": Other()}))
     caplog.set_level(logging.WARNING, logger="trainpatrol.collectors.nvml")
     for _ in range(3):
         collector.sample_once()
     assert success(reg) == 0.0
     assert value(reg, "collector_success", {"collector": "other"}) == 1.0
     assert value(reg, "other") == 1.0
-    assert b"trainpatrol_gpu_" not in generate_latest(reg)
+    assert b"trainpatrol_gpu_" not in reg.body()
     warnings = [r for r in caplog.records if r.name == "trainpatrol.collectors.nvml"]
     assert len(warnings) == 1 and "LibraryNotFound" in warnings[0].getMessage()  # logged once
     fake.set_driver_unavailable(None)
@@ -250,8 +252,7 @@ def test_missing_driver_reports_failure_and_scrape_still_works(caplog: pytest.Lo
 
 def test_real_pynvml_without_gpu_never_raises() -> None:
     collector = NvmlCollector(interval_seconds=0.01)  # the real pynvml, loaded lazily
-    reg = CollectorRegistry()
-    reg.register(CollectorSet({"nvml": collector}))
+    reg = Scraped(CollectorSet({"nvml": collector}))
     collector.sample_once()
     expected = 0.0 if collector.snapshot()["error"] else 1.0  # 0 on a machine without an NVIDIA driver
     assert success(reg) == expected
@@ -314,7 +315,7 @@ def test_pcie_throughput_is_opt_in() -> None:
     fake, collector, reg = setup(gpus=2)
     collector.sample_once()
     assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
-    assert b"pcie_throughput" not in generate_latest(reg)
+    assert b"pcie_throughput" not in reg.body()
     assert value(reg, "gpu_pcie_link_width", gpu(1)) == 16.0  # the cheap link readings stay
     fake, collector, reg = setup(gpus=2, pcie=True)
     collector.sample_once()
@@ -333,7 +334,7 @@ def test_process_memory_by_run_and_rank_never_by_pid() -> None:
     assert value(reg, "gpu_process_memory_bytes", gpu(1, run="runA", rank="1")) == 2000.0
     assert value(reg, "gpu_process_memory_bytes", gpu(1, run="", rank="")) == 700.0  # summed
     assert value(reg, "gpu_process_memory_bytes", gpu(0, run="runA", rank="1")) is None
-    assert b"pid" not in generate_latest(reg)
+    assert b"pid" not in reg.body()
     procs = collector.snapshot()["gpus"][0]["processes"]  # pids belong in evidence, not in labels
     assert procs == [{"pid": 100, "used_bytes": 1000, "run": "runA", "rank": "0"},
                      {"pid": 200, "used_bytes": 500, "run": "", "rank": ""},
@@ -362,7 +363,7 @@ def test_scrape_and_registration_never_call_nvml() -> None:
     collector.sample_once()
     calls = fake.call_count
     for _ in range(5):
-        generate_latest(reg)
+        reg.body()
     assert collector.snapshot()["gpus"]
     assert fake.call_count == calls
 
@@ -421,7 +422,7 @@ def full_exposition() -> bytes:
                                     used_bytes=6_000_000_000)])
     collector.sample_once()
     collector._record_xid(fake.nvmlDeviceGetHandleByIndex(5), 79)
-    return generate_latest(reg)
+    return reg.body()
 
 
 def test_exposition_matches_the_catalogue() -> None:
@@ -498,3 +499,24 @@ def test_slow_interval_zero_reads_everything_every_sample() -> None:
     assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 3
     with pytest.raises(ValueError, match="slow_interval_seconds=-1"):
         NvmlCollector(fake, slow_interval_seconds=-1)
+
+
+def test_the_collector_has_news_after_a_sample_an_xid_and_once_its_sample_goes_stale() -> None:
+    clock = Clock()
+    fake, collector, _ = setup(gpus=2, clock=clock)
+    collector.sample_once()
+    assert collector.changed()
+    first = collector.write()
+    assert b'trainpatrol_gpu_power_watts{gpu="1",' in first
+    assert not collector.changed()  # nothing new between two samples: the scrape reuses the last text
+    fake.set_value(1, "nvmlDeviceGetPowerUsage", 431_250)  # milliwatts
+    collector.sample_once()
+    assert collector.changed() and b"} 431.25\n" in collector.write()
+    collector._record_xid(fake.nvmlDeviceGetHandleByIndex(1), 79)
+    assert collector.changed() and b'trainpatrol_gpu_xid_errors_total{gpu="1",' in collector.write()
+    assert not collector.changed()
+    clock.now += collector.stale_after_seconds + 1  # no sample since: the clock alone makes it news
+    assert collector.changed()
+    with pytest.raises(NvmlUnavailable, match="old"):
+        collector.write()
+    assert not collector.changed()

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
+from exposition_check import Scraped
 from markers import needs_prometheus
 from nvml_fake.fake import FakeNvml, MigInstance
 from servers import agent_in_thread, http_json, prometheus, query, wait_for
@@ -30,8 +30,7 @@ def mig_gpu() -> tuple[FakeNvml, NvmlCollector]:
 
 def test_each_mig_instance_has_its_uuid_profile_and_memory(caplog: pytest.LogCaptureFixture) -> None:
     fake, collector = mig_gpu()
-    registry = CollectorRegistry()
-    registry.register(CollectorSet({"nvml": collector}))
+    registry = Scraped(CollectorSet({"nvml": collector}))
     with caplog.at_level(logging.DEBUG, logger="trainpatrol"):
         collector.sample_once()
     parent = {"gpu": "1", "uuid": fake.nvmlDeviceGetUUID(fake.nvmlDeviceGetHandleByIndex(1))}

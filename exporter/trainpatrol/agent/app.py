@@ -28,14 +28,14 @@ from typing import Any
 from fastapi import Body, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from .. import __version__
-from ..collectors.agent_self import AgentStats
-from ..collectors.health import CollectorSet, Collects
+from ..collectors.health import CollectorSet
 from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
+from ..exposition import Collector
 from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, RankSnapshot, valid_run
 from .alerts import Deduper, WebhookPayload
 from .auth import PushProof, require_control
@@ -47,7 +47,8 @@ from .push_stream import PushRefused
 from .pushes import add_push_routes
 from .refusals import no_live_rank, rate_limited
 from .router import FORWARDED_HEADER, Router
-from .store import Enqueued, RankStore, WrongRunKey
+from .stats import AgentStats
+from .store import Enqueued, RankStore, StreamWrite, WrongRunKey
 from .webhook import Webhooks
 
 log = logging.getLogger(__name__)
@@ -100,14 +101,11 @@ class Agent:
                                bounds=self.bounds)
         self.stats = AgentStats(config.mode)
         self.nvml = nvml
-        self.ranks = RankCollector(self.store)
-        collectors: dict[str, Collects] = {"ranks": self.ranks, "agent": self.stats}
-        collectors["process"] = ProcessMetrics()  # the agent's own process_* metrics, read once a second
+        collectors: dict[str, Collector] = {"ranks": RankCollector(self.store), "agent": self.stats,
+                                            "process": ProcessMetrics()}
         if nvml is not None:
             collectors["nvml"] = nvml
-        self.registry = CollectorRegistry(auto_describe=False)
         self.collectors = CollectorSet(collectors)
-        self.registry.register(self.collectors)
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
@@ -126,26 +124,24 @@ class Agent:
         return self.collectors.body()
 
     def _after_batch(self) -> None:
-        """Writes the new lines out right after a batch of stream lines, while they are in the
-        caches and before a scrape waits for them, when scrapes come about as often as batches (a
-        scrape came since the last one). With scrapes seconds apart, the next scrape does it."""
+        """Writes the body right after a batch of stream lines, before a scrape waits for it, when
+        scrapes come about as often as batches (a scrape came since the last one). With scrapes
+        seconds apart, the next scrape does it."""
         if self._scraped:
             self._scraped = False
             self.collectors.body()
 
-    def accept_push(self, snapshot: RankSnapshot, same_series_as: RankSnapshot | None,
-                    proof: PushProof) -> list[Command]:
-        """Store a valid push that ``proof`` allows and lay out its series; returns the commands for its
-        reply. ``same_series_as``: a snapshot known to have the same series (a delta line's base).
-        Raises ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key,
-        and ``Refused`` for a push over a bound, counted here."""
+    def accept_push(self, snapshot: RankSnapshot, line: StreamWrite | None, proof: PushProof) -> list[Command]:
+        """Store a valid push that ``proof`` allows; returns the commands for its reply. ``line``:
+        what a push stream knows of it (a delta's pairs, its base; agent.store). Raises ``PushRefused``
+        (403) for a namespace the token does not reach, or a run bound to another key, ``Refused``
+        for a push over a bound, counted here, and ``NeedsWholeSnapshot`` for a delta without its base."""
         if not proof.scope.allows(snapshot.namespace):
             self.stats.count("pushes", "wrong_namespace")
             raise PushRefused(f"The token does not reach namespace {snapshot.namespace!r}.")
         try:
-            if same_series_as is None:  # a delta's series were checked with its base
-                self.bounds.check_snapshot(snapshot)
-            commands = self.store.push(snapshot, proof.key)
+            self.bounds.check_snapshot(snapshot)  # a delta's samples are its base's, checked with it
+            commands = self.store.push(snapshot, proof.key, line)
         except WrongRunKey as exc:
             self.stats.count("pushes", "wrong_run_key")
             raise PushRefused(str(exc)) from None
@@ -154,7 +150,6 @@ class Agent:
             self.stats.count("pushes", "refused")
             raise
         self.last_push = time.monotonic()
-        self.ranks.prepare(snapshot, same_series_as)
         self.stats.count("pushes", "ok")
         return commands
 

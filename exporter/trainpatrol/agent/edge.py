@@ -19,10 +19,10 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..collectors.agent_self import AgentStats
 from .auth import bearer, scope_of, token_ok
 from .config import AgentConfig, is_loopback
 from .problems import PUSH_PATHS
+from .stats import AgentStats
 
 OPEN = frozenset({"/healthz"})
 UNAUTHORIZED = "Missing or wrong bearer token."

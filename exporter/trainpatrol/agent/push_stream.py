@@ -30,17 +30,18 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.types import Receive, Send
 
-from ..collectors.agent_self import AgentStats
 from ..protocol import Command, RankSnapshot, SnapshotDelta
 from .auth import PushProof
 from .bounds import Refused
 from .problems import invalid
+from .stats import AgentStats
+from .store import NeedsWholeSnapshot, StreamBase, StreamWrite
 
 log = logging.getLogger(__name__)
 NDJSON = b"application/x-ndjson"
-Accept = Callable[[RankSnapshot, RankSnapshot | None, PushProof], list[Command]]
-"""Takes a valid snapshot in, given a snapshot known to have the same series (a delta's base) or
-None, and what its request proved; returns the commands for the rank, or raises ``PushRefused``."""
+Accept = Callable[[RankSnapshot, StreamWrite | None, PushProof], list[Command]]
+"""Takes a valid snapshot in, with what a stream knows of it (agent.store.StreamWrite; None off a
+stream), and what its request proved; returns the commands for the rank, or raises ``PushRefused``."""
 
 
 class PushRefused(Refused):
@@ -51,7 +52,7 @@ class PushRefused(Refused):
 
 
 MAX_RANKS_PER_STREAM = 1024
-"""Ranks whose last snapshot a stream keeps as the base of their deltas (a Patrol sends one)."""
+"""Ranks whose last write a stream remembers as the base of their deltas (a Patrol sends one)."""
 
 
 @dataclass(eq=False)
@@ -61,7 +62,8 @@ class _Stream:
     send: Send
     proof: PushProof
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "refused": 0})
-    bases: dict[tuple[str, int], RankSnapshot] = field(default_factory=dict)
+    bases: dict[tuple[str, str, int], StreamBase] = field(default_factory=dict)
+    """Per (namespace, run, rank), what this stream last wrote: its next delta's base (agent.store)."""
     open: bool = True
     queued: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -188,12 +190,11 @@ class PushStream:
             await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
             return
         try:
-            delta = SnapshotDelta.model_validate_json(line)
-            key = (delta.run, delta.rank)
-            base = stream.bases.get(key)
-            like = base if delta.changed is not None else None
-            snapshot = delta.whole(base)
-        except (ValidationError, ValueError) as exc:
+            snapshot = SnapshotDelta.model_validate_json(line)
+            key = (snapshot.namespace, snapshot.run, snapshot.rank)
+            write = StreamWrite(snapshot.changed, stream.bases.get(key))
+            commands = self.accept(snapshot, write, stream.proof)
+        except (ValidationError, NeedsWholeSnapshot) as exc:
             self.stats.count("pushes", "invalid")
             stream.counts["refused"] += 1
             problem = (invalid(exc.errors(include_url=False), ("body",)) if isinstance(exc, ValidationError)
@@ -201,16 +202,17 @@ class PushStream:
             stream.bases.clear()  # deltas after a refused line would build on the wrong base: whole lines first
             await self._reply(stream, {"line": number, "status": 422, **problem})
             return
-        try:
-            commands = self.accept(snapshot, like, stream.proof)
         except Refused as exc:  # PushRefused (403) included; counted by accept
             stream.counts["refused"] += 1
             stream.bases.pop(key, None)
             await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
             return
-        if key not in stream.bases and len(stream.bases) >= MAX_RANKS_PER_STREAM:
-            stream.bases.pop(next(iter(stream.bases)))
-        stream.bases[key] = snapshot
+        if write.written is not None:
+            if key not in stream.bases and len(stream.bases) >= MAX_RANKS_PER_STREAM:
+                stream.bases.pop(next(iter(stream.bases)))
+            stream.bases[key] = write.written
+        else:  # kept out as a late push: the record is not what this stream's next delta builds on
+            stream.bases.pop(key, None)
         stream.counts["accepted"] += 1
         if commands:
             await self._reply(stream, {"run": snapshot.run, "rank": snapshot.rank, "seq": snapshot.seq,

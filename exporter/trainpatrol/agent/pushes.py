@@ -25,13 +25,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from ..collectors.agent_self import AgentStats
 from ..protocol import PushReply, RankSnapshot
 from .auth import PushProof, push_proof
 from .bounds import Refused
 from .config import AgentConfig
 from .problems import documented, invalid, read_body
 from .push_stream import Accept, PushStream
+from .stats import AgentStats
 
 JSON, NDJSON = "application/json", "application/x-ndjson"
 _EMPTY_REPLY = PushReply().model_dump_json().encode()

@@ -1,4 +1,4 @@
-"""What the agent knows about its ranks: last snapshots, liveness, and commands waiting for them."""
+"""What the agent knows about its ranks: last pushes, their series, liveness, and commands waiting for them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..collectors.rank_record import RankRecord
+from ..collectors.ranks import RankRow
 from ..protocol import ActionRecord, Command, RankSnapshot
 from .action_limits import ActionLimits
 from .bounds import Bounds
@@ -21,8 +23,34 @@ ENDED_STATES = ("closed", "stopped")
 @dataclass
 class RankEntry:
     snapshot: RankSnapshot
+    """The rank's last push; its series' values are in ``record`` (a delta line carries none)."""
+    record: RankRecord
     last_push: float
     last_step_advance: float
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBase:
+    """What a push stream last wrote for a rank: the record's layout and the values array written
+    (never changed afterwards). A single push in between (a Patrol's state change) changes neither."""
+
+    layout: int
+    values: list[str]
+
+
+@dataclass(slots=True)
+class StreamWrite:
+    """A push stream's line for the store: its delta pairs (None for a whole snapshot) and what
+    this stream last wrote for the rank. The store sets ``written``; None when it kept the record
+    as it was (a late push)."""
+
+    changed: list[tuple[int, float]] | None
+    base: StreamBase | None
+    written: StreamBase | None = None
+
+
+class NeedsWholeSnapshot(ValueError):
+    """A delta line that has no base to apply onto, or that reaches outside it (422)."""
 
 
 Enqueued = Literal["queued", "duplicate", "coalesced", "rate_limited"]
@@ -61,36 +89,51 @@ class RankStore:
         self._run_ranks: dict[RunId, int] = {}
         """Ranks held per run, and below the samples held over all ranks: what the bounds are checked against."""
         self._series = 0
+        self._generation = 0
+        """Writes to records so far: a record's generation names the write that made its values."""
+        self._version = 0
+        """Writes and expiries so far: what /metrics has to write again for."""
         self._next_expiry = float("inf")
         """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
-        self._entries: tuple[RankEntry, ...] | None = None  # sorted by (namespace, run, rank); None after any change
-        self._up: tuple[tuple[RankEntry, ...], float, float, list[bool]] | None = None
-        """The last ``up()``: for which entries, at what time, the oldest push of an up rank, the answer."""
 
     # --- pushes -------------------------------------------------------------------------------
-    def push(self, snap: RankSnapshot, key_digest: bytes = b"") -> list[Command]:
-        """Record a snapshot; return the run's commands this rank has not carried out yet.
-        Raises ``WrongRunKey`` (and records nothing) when the run is bound to another key, and
+    def push(self, snap: RankSnapshot, key_digest: bytes = b"", line: StreamWrite | None = None) -> list[Command]:
+        """Record a snapshot (with ``line``, a push stream's line, perhaps a delta); return the run's
+        commands this rank has not carried out yet. Raises, recording nothing: ``NeedsWholeSnapshot``
+        for a delta without its base, ``WrongRunKey`` when the run is bound to another key, and
         ``bounds.Refused`` for a push over a bound (a new run, a new rank, more series)."""
         now = self._clock()
         run = run_id(snap)
         key = (snap.namespace, snap.run, snap.rank)
+        changed = line.changed if line is not None else None
         with self._lock:
+            old = self._ranks.get(key)
+            if line is not None and changed is not None:
+                _check_delta(snap, old, line.base, changed)
             if not self._keys.admit(run, key_digest, self._ended):
                 raise WrongRunKey(run)
-            old = self._ranks.get(key)
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
-                return []  # a late, reordered push: keep the newer state
-            held = len(old.snapshot.samples) if old is not None else 0
-            series = self._series - held + len(snap.samples)
-            if old is None or len(snap.samples) > held:
+                return []  # a late, reordered push: keep the newer state (``written`` stays None)
+            held = old.record.samples if old is not None else 0
+            pushed = held if changed is not None else len(snap.samples)
+            series = self._series - held + pushed
+            if old is None or pushed > held:
                 self.bounds.admit(snap, old is None, len(self._run_ranks), self._run_ranks.get(run), series)
             if old is None:
                 self._run_ranks[run] = self._run_ranks.get(run, 0) + 1
             self._series = series
-            self._entries = None
-            entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
+            self._generation += 1
+            self._version += 1
+            if old is None:
+                record = RankRecord(snap, self._generation)
+            elif changed is not None:
+                (record := old.record).assign(line.base.values, changed, self._generation)  # type: ignore[union-attr]
+            else:
+                (record := old.record).replace(snap, self._generation)
+            if line is not None:
+                line.written = StreamBase(record.layout_of, record.values)
+            entry = self._ranks[key] = RankEntry(snap, record, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(run):
                 return []  # the common case: nothing queued, so nothing to retire or hand out
@@ -167,8 +210,8 @@ class RankStore:
 
     def _forget(self, key: tuple[str, str, int], e: RankEntry) -> None:
         del self._ranks[key]
-        self._entries = None
-        self._series -= len(e.snapshot.samples)
+        self._version += 1
+        self._series -= e.record.samples
         run = (key[0], key[1])
         left = self._run_ranks[run] - 1
         if left:
@@ -177,16 +220,14 @@ class RankStore:
             del self._run_ranks[run]
 
     def entries(self) -> tuple[RankEntry, ...]:
-        """Every rank, sorted by (namespace, run, rank): the very same tuple until a push or an expiry changes it
-        (scrapes come several times between two batches of pushes)."""
+        """Every rank, sorted by (namespace, run, rank)."""
         self.expire()
         with self._lock:
-            if self._entries is None:
-                self._entries = tuple(self._ranks[k] for k in sorted(self._ranks))
-            return self._entries
+            return tuple(self._ranks[k] for k in sorted(self._ranks))
 
-    def is_up(self, entry: RankEntry) -> bool:
-        return entry.snapshot.state != "closed" and self._clock() - entry.last_push <= self.rank_up_ttl
+    def is_up(self, entry: RankEntry, now: float | None = None) -> bool:
+        return (entry.snapshot.state != "closed"
+                and (self._clock() if now is None else now) - entry.last_push <= self.rank_up_ttl)
 
     def is_live(self, entry: RankEntry) -> bool:
         """The rank can still carry out a command: up, and neither closed nor stopped."""
@@ -196,18 +237,23 @@ class RankStore:
         """How many ranks of ``run`` are live on this agent."""
         return sum(1 for e in self.entries() if run_id(e.snapshot) == (namespace, run) and self.is_live(e))
 
-    def up(self, entries: tuple[RankEntry, ...]) -> list[bool]:
-        """``is_up`` of each entry, at one reading of the clock. Every scrape asks for all of them:
-        the last answer stands, as the very same list, until the oldest push of an up rank is
-        older than the TTL (a rank that is down stays down until it pushes, which changes the entries)."""
-        now, ttl = self._clock(), self.rank_up_ttl
-        last = self._up
-        if last is not None and last[0] is entries and last[1] <= now and now - last[2] <= ttl:
-            return last[3]
-        ups = [now - e.last_push <= ttl and e.snapshot.state != "closed" for e in entries]
-        oldest = min((e.last_push for e, u in zip(entries, ups, strict=True) if u), default=float("inf"))
-        self._up = (entries, now, oldest, ups)
-        return ups
+    # --- for /metrics (collectors.ranks.RankSource) -----------------------------------------------
+    def state(self) -> tuple[int, tuple[bool, ...]]:
+        """Writes and expiries so far, and ``is_up`` of each rank in order: the rank lines change
+        with these alone (up flips with the clock, without any push)."""
+        self.expire()
+        now = self._clock()
+        with self._lock:
+            return self._version, tuple([self.is_up(self._ranks[k], now) for k in sorted(self._ranks)])
+
+    def rows(self) -> list[RankRow]:
+        """Every rank's lines, sorted by (namespace, run, rank); written under the lock, which
+        pushes take to write a record."""
+        self.expire()
+        now = self._clock()
+        with self._lock:
+            return [RankRow(e.record.texts(), e.record.layout.plain, self.is_up(e, now), e.last_push,
+                            e.last_step_advance) for e in (self._ranks[k] for k in sorted(self._ranks))]
 
     def hosts_run(self, run: str, namespace: str = "") -> bool:
         return any(run_id(e.snapshot) == (namespace, run) for e in self.entries())
@@ -264,6 +310,20 @@ class RankStore:
             "last_checkpoint": max(checkpoints, default=""),
             "pending_commands": [c.model_dump() for c in self.pending(run, namespace)],
         }
+
+
+def _check_delta(snap: RankSnapshot, old: RankEntry | None, base: StreamBase | None,
+                 changed: list[tuple[int, float]]) -> None:
+    """A delta applies onto what the same stream wrote last for the rank, from the same Patrol, while
+    the rank's record keeps that layout."""
+    if base is None or old is None or old.record.layout_of != base.layout or old.snapshot.instance != snap.instance:
+        raise NeedsWholeSnapshot(f"A delta line needs a whole snapshot of run {snap.run!r} rank {snap.rank} "
+                                 "earlier on the same stream; send one.")
+    held = old.record.samples
+    for index, _ in changed:
+        if index >= held:
+            raise NeedsWholeSnapshot(f"changed: sample index {index} is outside the {held} samples "
+                                     "of the rank's last whole snapshot.")
 
 
 def _run_state(states: list[str]) -> str:

@@ -2,22 +2,17 @@
 
 A sample of one GPU is JSON-able: ``{"gpu", "uuid", ..., "timestamp", "series", "processes"}`` where
 ``series`` maps a catalogue name without its ``trainpatrol_`` prefix to ``[(extra label values,
-value), ...]`` in base units. ``rendered_families()`` turns samples into metric families with
-their exposition lines.
+value), ...]`` in base units. ``write_families()`` writes samples in the text format.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
-
-from ..agent.exposition import RenderedFamily, labelled_line
-from ..catalogue import GPU_LABELS, NVML_METRICS, P
-from ..catalogue import Metric as Spec
+from ..catalogue import NVML_METRICS, P
+from ..exposition import family
 
 Labels = tuple[str, ...]
 Series = dict[str, list[tuple[Labels, float]]]
@@ -98,7 +93,7 @@ SLOW_CALLS = ("nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTotalEnergyConsum
               "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetRemappedRows")
 """Read every slow interval, with ECC, retired pages and PCIe throughput (calls with arguments, in
 read_gpu): counters, settings that rarely move (power limit, PCIe link), and the calls that block
-(energy about 3 ms, PCIe throughput about 20 ms a call on an H200), each a wake-up of the sampler."""
+(energy, PCIe throughput), each a wake-up of the sampler."""
 
 
 def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool, slow: bool = True) -> dict[str, Any]:
@@ -130,7 +125,7 @@ def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool, slow: b
         get("nvmlDeviceGetTotalEccErrors", error_type, VOLATILE_ECC)
     for cause in (RETIRED_MULTIPLE_SBE, RETIRED_DBE):
         get("nvmlDeviceGetRetiredPages", cause)
-    if pcie:  # about 20 ms per call on an H200
+    if pcie:  # the slowest call of all
         get("nvmlDeviceGetPcieThroughput", PCIE_UTIL_TX_BYTES)
         get("nvmlDeviceGetPcieThroughput", PCIE_UTIL_RX_BYTES)
     return raw
@@ -228,54 +223,17 @@ def process_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[Labels, floa
     return sorted(total.items())
 
 
-Written = dict[str, tuple[list[tuple[Labels, float]], RenderedFamily]]
-"""Each family's series and the family written from them, by family name."""
-
-
-def rendered_families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]],
-                      written: Written | None = None) -> list[RenderedFamily]:
-    """The families, in catalogue order, of GPU samples and XID counts keyed (gpu, uuid, xid), their
-    lines written straight from the series: building prometheus_client families first took half
-    of a sample's time. Their samples are built only when someone asks for them.
-
-    ``written``, the families of earlier samples, saves writing a family whose series are equal,
-    and gets the new ones: from one second to the next most readings (totals, limits, clocks,
-    P-state, reasons, info) do not move."""
+def write_families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> str:
+    """The families, in catalogue order, of GPU samples and XID counts keyed (gpu, uuid, xid); a
+    family no GPU has is left out."""
     rows = _rows(gpus, xids)
-    written = {} if written is None else written
     out = []
     for spec in NVML_METRICS:
         series = rows.get(spec.name[len(P):])
         if series:
-            kept = written.get(spec.name)
-            if kept is None or kept[0] != series:
-                name, label_names, value = _layout(spec)
-                lines = "".join([labelled_line(name, tuple(zip(label_names, labels, strict=True)),
-                                               v if value is None else value) for labels, v in series])
-                meta = _meta(spec)
-                kept = written[spec.name] = (series, RenderedFamily(
-                    meta.name, meta.documentation, meta.type, meta.unit, lines.encode(),
-                    functools.partial(_samples, spec, series)))
-            out.append(kept[1])
-    return out
-
-
-@functools.cache
-def _meta(spec: Spec) -> Metric:
-    """An empty family of ``spec``: its name, help, type and unit as prometheus_client makes them."""
-    return _family(spec, [])
-
-
-@functools.cache
-def _layout(spec: Spec) -> tuple[str, tuple[str, ...], float | None]:
-    """A family's sample name, label names, and its fixed value (an info's 1.0) or None."""
-    if spec.kind == "info":
-        return spec.name, (*GPU_LABELS, *spec.labels), 1.0
-    return spec.name, tuple(spec.all_labels), None
-
-
-def _samples(spec: Spec, series: list[tuple[Labels, float]]) -> list[Any]:
-    return _family(spec, series).samples
+            out.append(family(spec.name, spec.kind, spec.help,
+                              [(dict(zip(spec.all_labels, labels, strict=True)), value) for labels, value in series]))
+    return "".join(out)
 
 
 def _rows(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> Series:
@@ -289,21 +247,6 @@ def _rows(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, fl
         rows["gpu_xid_errors_total"].append((labels, float(count)))
         rows["gpu_xid_last_timestamp_seconds"].append((labels, last))
     return rows
-
-
-def _family(spec: Spec, series: list[tuple[Labels, float]]) -> Metric:
-    if spec.kind == "info":
-        info = InfoMetricFamily(spec.name[: -len("_info")], spec.help, labels=GPU_LABELS)
-        for labels, _ in series:
-            info.add_metric(labels[:2], dict(zip(spec.labels, labels[2:], strict=True)))
-        return info
-    bare = spec.name[: -len("_total")] if spec.kind == "counter" else spec.name
-    unit = spec.unit if bare.endswith("_" + spec.unit) else ""  # e.g. bytes_per_second has no unit suffix
-    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
-    family = cls(spec.name, spec.help, labels=spec.all_labels, unit=unit)
-    for labels, value in series:
-        family.add_metric(labels, value)
-    return family
 
 
 def _scaled(value: float | None, factor: float) -> float | None:

@@ -21,12 +21,9 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client.core import Metric
-
-from ..agent.exposition import RenderedFamily
 from . import _nvml_sample as ns
 
 log = logging.getLogger(__name__)
@@ -51,8 +48,7 @@ class NvmlCollector:
     max_backoff_seconds = 60.0
     event_timeout_ms = 1000
     """Bound on one nvmlEventSetWait, so that stop() returns within a second. Every bound that
-    passes without an event wakes the XID thread: at 200 ms, those wake-ups cost the agent a
-    third of a point of a core on the development VM (py-spy on bench/scrape.py)."""
+    passes without an event wakes the XID thread, so it is not shorter (docs/benchmarks.md)."""
 
     def __init__(
         self,
@@ -77,7 +73,7 @@ class NvmlCollector:
         """Energy, ECC, retired pages, remapped rows, power limit and PCIe (ns.SLOW_CALLS) are read
         this often; samples in between carry their last readings."""
         self.stale_after_seconds = max(5.0, 5 * interval_seconds)
-        """collect() fails when the last sample is older than this (a hung NVML call, say)."""
+        """write() fails when the last sample is older than this (a hung NVML call, say)."""
         self._pcie, self._processes = pcie, processes
         self._pid_to_rank = pid_to_rank
         self._clock = clock
@@ -85,9 +81,9 @@ class NvmlCollector:
         self._sample: dict[str, Any] | None = None
         self._error = "NVML has not been sampled yet"
         self._xids: dict[ns.Labels, tuple[int, float]] = {}
-        self._rendered: tuple[dict[str, Any], dict[ns.Labels, tuple[int, float]], list[RenderedFamily]] | None = None
-        self._written: ns.Written = {}
-        """Each NVML family as last written, for the next sample to keep where its series are equal."""
+        self._news = 0
+        """Samples, failures and XID events so far: what write() has to write again for."""
+        self._written: tuple[int, bool] | None = None
         self._gpus: list[Gpu] | None = None  # set while NVML is initialised for the sampler
         self._mig: dict[str, list[ns.MigInstance]] = {}
         """The MIG instances of each GPU in MIG mode, by the GPU's uuid."""
@@ -126,28 +122,26 @@ class NvmlCollector:
             with self._sampling:
                 self._shutdown()
 
-    def describe(self) -> Iterable[Metric]:
-        return []  # no hardware call at registration
+    def changed(self) -> bool:
+        """A new sample, failure or XID event since the last write, or the sample went stale."""
+        return (self._news, self._stale()) != self._written
 
-    def collect(self) -> Iterator[Metric]:
-        """Families from the last sample; raises NvmlUnavailable when there is no usable one."""
+    def _stale(self) -> bool:
+        sample = self._sample
+        return sample is not None and self._clock() - sample["timestamp"] > self.stale_after_seconds
+
+    def write(self) -> bytes:
+        """The last sample's families; raises NvmlUnavailable when there is no usable one."""
         with self._lock:
-            sample, error, xids = self._sample, self._error, dict(self._xids)
+            sample, error, xids, news = self._sample, self._error, dict(self._xids), self._news
+        stale = self._stale()
+        self._written = (news, stale)
         if error or sample is None:
             raise NvmlUnavailable(error or "no NVML sample")
-        age = self._clock() - sample["timestamp"]
-        if age > self.stale_after_seconds:
-            limit = self.stale_after_seconds
+        if stale:
+            age, limit = self._clock() - sample["timestamp"], self.stale_after_seconds
             raise NvmlUnavailable(f"the last NVML sample is {age:.1f} s old (limit {limit:g} s)")
-        yield from self._render(sample, xids)
-
-    def _render(self, sample: dict[str, Any], xids: dict[ns.Labels, tuple[int, float]]) -> list[RenderedFamily]:
-        """The families of a sample, formatted once per sample and XID count, not once per scrape (see
-        agent.exposition): by the sampler as it stores a sample, or by the first scrape after an XID."""
-        cached = self._rendered
-        if cached is None or cached[0] is not sample or cached[1] != xids:
-            cached = self._rendered = (sample, xids, ns.rendered_families(sample["gpus"], xids, self._written))
-        return cached[2]
+        return ns.write_families(sample["gpus"], xids).encode()
 
     def snapshot(self) -> dict[str, Any]:
         """The last sample, the current error and the XID counts, as JSON-able data."""
@@ -187,9 +181,8 @@ class NvmlCollector:
                 return self._fail(exc)
             sample = {"timestamp": started, "driver_version": self._driver_version, "gpus": samples}
             with self._lock:
-                self._sample, self._error, xids = sample, "", dict(self._xids)
-            with contextlib.suppress(Exception):  # a formatting fault shows at the scrape, which formats again
-                self._render(sample, xids)
+                self._sample, self._error = sample, ""
+                self._news += 1
             if self._failures_logged:
                 log.info("NVML sampling recovered: %d GPU(s)", len(samples))
                 self._failures_logged.clear()
@@ -241,6 +234,7 @@ class NvmlCollector:
         self._shutdown()
         with self._lock:
             self._error = reason
+            self._news += 1
         if reason not in self._failures_logged:
             self._failures_logged.add(reason)
             log.warning("NVML unavailable (%s); GPU metrics are off, retrying with backoff up to %.0f s",
@@ -365,6 +359,7 @@ class NvmlCollector:
             key = (gpu, uuid, str(xid))
             count = self._xids.get(key, (0, 0.0))[0]
             self._xids[key] = (count + 1, self._clock())
+            self._news += 1
         log.warning("XID %d on GPU %s (%s)", xid, gpu or "?", uuid or "unknown uuid")
 
     def _release(self, eset: object | None) -> None:

@@ -1,0 +1,66 @@
+"""The agent's own counters, and their part of /metrics.
+
+Emits ``trainpatrol_agent_info``, ``trainpatrol_pushes_total{outcome}``,
+``trainpatrol_webhook_alerts_total{outcome}``, ``trainpatrol_forwarded_alerts_total{outcome}``,
+``trainpatrol_control_commands_total{action,source}``,
+``trainpatrol_control_commands_refused_total{action,reason}`` and ``trainpatrol_refused_requests_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import Counter
+
+from .. import __version__
+from ..catalogue import BY_NAME
+from ..exposition import family
+
+_COUNTERS = (("trainpatrol_pushes_total", "pushes", ("outcome",)),
+             ("trainpatrol_webhook_alerts_total", "alerts", ("outcome",)),
+             ("trainpatrol_forwarded_alerts_total", "forwarded", ("outcome",)),
+             ("trainpatrol_control_commands_total", "commands", ("action", "source")),
+             ("trainpatrol_control_commands_refused_total", "refused", ("action", "reason")),
+             ("trainpatrol_refused_requests_total", "refusals", ("reason",)))
+"""Family name, ``AgentStats`` attribute and label names of each counter, in exposition order."""
+
+
+class AgentStats:
+    """Thread-safe counts; a collector (exposition.Collector) that writes them when one moved."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._lock = threading.Lock()
+        self.pushes: Counter[str] = Counter({"ok": 0, "invalid": 0, "unauthorized": 0, "wrong_namespace": 0,
+                                              "wrong_run_key": 0, "too_large": 0})
+        self.alerts: Counter[str] = Counter({"act": 0, "duplicate": 0, "resolved": 0, "forbidden": 0,
+                                             "no_live_rank": 0, "coalesced": 0, "rate_limited": 0})
+        self.commands: Counter[tuple[str, str]] = Counter()
+        self.refused: Counter[tuple[str, str]] = Counter()
+        self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})
+        self.refusals: Counter[str] = Counter({"host": 0, "unauthorized": 0})
+        """Requests, connections and pushes refused at the edge or over a bound, by reason (docs/security.md)."""
+        self._counts = 0
+        self._written: tuple[int, str] | None = None
+
+    def count(self, counter: str, key: str | tuple[str, str]) -> None:
+        with self._lock:
+            getattr(self, counter)[key] += 1
+            self._counts += 1
+
+    def changed(self) -> bool:
+        return (self._counts, socket.gethostname()) != self._written
+
+    def write(self) -> bytes:
+        host = socket.gethostname()
+        with self._lock:
+            written = (self._counts, host)
+            counts = [sorted(getattr(self, attr).items()) for _, attr, _ in _COUNTERS]
+        out = [family("trainpatrol_agent_info", "info", BY_NAME["trainpatrol_agent_info"].help,
+                      [({"version": __version__, "host": host, "mode": self.mode}, 1.0)])]
+        for (name, _, labels), items in zip(_COUNTERS, counts, strict=True):
+            rows = [(dict(zip(labels, key if isinstance(key, tuple) else (key,), strict=True)), float(n))
+                    for key, n in items]
+            out.append(family(name, "counter", BY_NAME[name].help, rows))
+        self._written = written
+        return "".join(out).encode()

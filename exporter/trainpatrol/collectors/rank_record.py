@@ -1,0 +1,136 @@
+"""One rank's series as the agent holds and writes them: laid out once, its values in a flat array.
+
+The layout (a ``%``-template of each catalogue family's lines, labels escaped) changes only when the
+rank pushes other series. The values are held as the text format writes them (Go's float format),
+formatted once as they arrive rather than at every scrape. Each write replaces the array (a delta
+line's is its stream's last array with the changed slots assigned), and no array is changed once
+written, so a push stream may keep the one it wrote as the base of its next delta. Writing a record
+is one ``%`` per family over its values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from operator import itemgetter
+
+from ..catalogue import RANK_METRICS, STEP_DURATION_BUCKETS
+from ..exposition import go_float, go_floats, head, label_block
+from ..protocol import RankSnapshot
+
+WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
+"""The training process's own Kubernetes identity, on every series of its rank when it has one."""
+_POSITION = {m.name: j for j, m in enumerate(RANK_METRICS)}
+_INFO = frozenset(m.name for m in RANK_METRICS if m.kind == "info")
+_HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
+_BOUNDS = (*(str(b) for b in STEP_DURATION_BUCKETS), "+Inf")
+
+
+def rank_labels(snap: RankSnapshot) -> dict[str, str]:
+    """The labels every series of a rank carries: run, rank and the workload labels it has."""
+    labels = {"run": snap.run, "rank": str(snap.rank)}
+    labels.update({k: getattr(snap, k) for k in WORKLOAD_LABELS if getattr(snap, k)})
+    return labels
+
+
+def series_key(snap: RankSnapshot) -> Hashable:
+    """What the layout depends on: the rank's labels and its samples' names and labels, in order."""
+    return (tuple(rank_labels(snap).items()), tuple([(s.name, tuple(s.labels.items())) for s in snap.samples]),
+            snap.histogram is not None)
+
+
+def values_of(snap: RankSnapshot) -> list[str]:
+    """The samples' values, then the step histogram's bucket counts, count and sum, as written."""
+    values = [float(s.value) for s in snap.samples]
+    if snap.histogram is not None:
+        counts = snap.histogram.counts
+        values += [*map(float, counts), float(counts[-1]), float(snap.histogram.sum)]
+    return go_floats(values)
+
+
+@dataclass(frozen=True)
+class Layout:
+    plain: str
+    """``rank="…",run="…"`` and the workload labels: the label block of the rank's liveness lines."""
+    templates: tuple[str, ...]
+    """Per catalogue family, its lines with ``%s`` where each value goes (an info's is always 1.0)."""
+    slots: tuple[Callable[[list[str]], tuple[str, ...]], ...]
+    """Per catalogue family, the texts of its values, taken from the texts of all values."""
+
+    @classmethod
+    def of(cls, snap: RankSnapshot) -> Layout:
+        base = rank_labels(snap)
+        lines: list[list[str]] = [[] for _ in RANK_METRICS]
+        slots: list[list[int]] = [[] for _ in RANK_METRICS]
+        for i, s in enumerate(snap.samples):
+            j = _POSITION[s.name]
+            text = _percent(head(s.name, base | s.labels))
+            if s.name in _INFO:
+                lines[j].append(text + "1.0\n")
+            else:
+                lines[j].append(text + "%s\n")
+                slots[j].append(i)
+        if snap.histogram is not None:
+            j, at = _POSITION[_HISTOGRAM], len(snap.samples)
+            heads = [*(head(_HISTOGRAM + "_bucket", base | {"le": le}) for le in _BOUNDS),
+                     head(_HISTOGRAM + "_count", base), head(_HISTOGRAM + "_sum", base)]
+            lines[j] = [_percent(h) + "%s\n" for h in heads]
+            slots[j] = list(range(at, at + len(heads)))
+        return cls(label_block(base), tuple(map("".join, lines)), tuple(map(_getter, slots)))
+
+
+class RankRecord:
+    """A rank's layout and values. Its owner (agent.store) serialises writes and reads."""
+
+    __slots__ = ("_texts", "_texts_of", "generation", "key", "layout", "layout_of", "samples", "values")
+
+    def __init__(self, snap: RankSnapshot, generation: int) -> None:
+        self.key: Hashable = None
+        self.layout: Layout
+        self.layout_of = generation
+        """The generation whose push made the layout: deltas apply only onto arrays laid out so."""
+        self.samples = 0
+        """How many pushed samples the record holds: the indices a delta line may assign."""
+        self.values: list[str] = []
+        self.generation = generation
+        self._texts: tuple[str, ...] = ()
+        self._texts_of = -1
+        self.replace(snap, generation)
+
+    def replace(self, snap: RankSnapshot, generation: int) -> None:
+        """A whole push: its values, and a new layout only where its series differ."""
+        key = series_key(snap)
+        if key != self.key:
+            self.key, self.layout, self.layout_of = key, Layout.of(snap), generation
+        self.samples = len(snap.samples)
+        self.values = values_of(snap)
+        self.generation = generation
+
+    def assign(self, base: list[str], changed: Iterable[tuple[int, float]], generation: int) -> None:
+        """A delta line: ``base`` (an array of this layout) with its (sample index, value) pairs
+        assigned, as a new array; the indices were checked against ``samples``."""
+        values = base.copy()
+        for i, value in changed:
+            values[i] = go_float(value)
+        self.values = values
+        self.generation = generation
+
+    def texts(self) -> tuple[str, ...]:
+        """Per catalogue family, this rank's lines; written again only after a write to the record."""
+        if self._texts_of != self.generation:
+            values = self.values
+            self._texts = tuple([t % s(values) for t, s in zip(self.layout.templates, self.layout.slots, strict=True)])
+            self._texts_of = self.generation
+        return self._texts
+
+
+def _getter(slots: list[int]) -> Callable[[list[str]], tuple[str, ...]]:
+    """The texts at ``slots`` as a tuple (``itemgetter`` of one index gives the item itself)."""
+    if len(slots) > 1:
+        return itemgetter(*slots)
+    return lambda texts: tuple([texts[i] for i in slots])
+
+
+def _percent(text: str) -> str:
+    """Text that ``%`` writes as it is (label values may hold ``%``)."""
+    return text.replace("%", "%%")

@@ -1,0 +1,110 @@
+"""The rank lines: family by family in catalogue order, ranks in order, then their liveness."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exposition_check import assert_clean
+from fake_clock import T0, Clock
+from trainpatrol.agent.store import RankStore
+from trainpatrol.catalogue import STEP_DURATION_BUCKETS
+from trainpatrol.collectors.ranks import RankCollector
+from trainpatrol.protocol import RankSnapshot
+
+INFO = {"local_rank": "1", "world_size": "2", "host": "n%s", "gpu_uuid": "GPU-1", "device": "cuda:1",
+        "torch_version": "2.5", "cuda_version": "12.4", "trainpatrol_version": "0.1", "launcher": "torchrun",
+        "launcher_job": "j1"}
+POD = {"namespace": "team-a", "pod": "w-1", "container": "trainer", "node": "gpu-12"}
+
+
+def snap(rank: int = 1, **extra: Any) -> RankSnapshot:
+    counts = [float(min(i, 5)) for i in range(len(STEP_DURATION_BUCKETS) + 1)]
+    return RankSnapshot.model_validate({
+        "run": "r1", "rank": rank, "world_size": 2, "step": 7, "instance": "a" * 16,
+        "samples": [{"name": "trainpatrol_loss", "value": 1.5},
+                    {"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": "l%s"}, "value": 3.0},
+                    {"name": "trainpatrol_step_total", "value": 1e6},
+                    {"name": "trainpatrol_rank_info", "labels": INFO, "value": 7.0}],
+        "histogram": {"counts": counts, "sum": 2.5}, **extra})
+
+
+def test_a_rank_with_workload_labels_a_histogram_and_an_info_is_written_exactly() -> None:
+    store = RankStore(clock=Clock())
+    store.push(snap(**POD))
+    body = RankCollector(store).write()
+    w = 'container="trainer",namespace="team-a",node="gpu-12",pod="w-1",rank="1",run="r1"'
+    buckets = "".join(f'trainpatrol_step_duration_seconds_bucket{{container="trainer",le="{le}",namespace="team-a",'
+                      f'node="gpu-12",pod="w-1",rank="1",run="r1"}} {float(min(i, 5))}\n'
+                      for i, le in enumerate(["0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25",
+                                              "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "60.0", "+Inf"]))
+    assert body.decode() == (
+        "# HELP trainpatrol_rank_info Identity of a rank: host, GPU uuid, versions and the job's launcher. "
+        "Join GPU metrics on uuid.\n# TYPE trainpatrol_rank_info gauge\n"
+        'trainpatrol_rank_info{container="trainer",cuda_version="12.4",device="cuda:1",gpu_uuid="GPU-1",host="n%s",'
+        'launcher="torchrun",launcher_job="j1",local_rank="1",namespace="team-a",node="gpu-12",pod="w-1",rank="1",'
+        'run="r1",torch_version="2.5",trainpatrol_version="0.1",world_size="2"} 1.0\n'
+        "# HELP trainpatrol_step_total Optimizer steps completed.\n# TYPE trainpatrol_step_total counter\n"
+        f"trainpatrol_step_total{{{w}}} 1e+06\n"
+        "# HELP trainpatrol_step_duration_seconds Wall time of one optimizer step, boundary to boundary.\n"
+        "# TYPE trainpatrol_step_duration_seconds histogram\n" + buckets +
+        f"trainpatrol_step_duration_seconds_count{{{w}}} 5.0\n"
+        f"trainpatrol_step_duration_seconds_sum{{{w}}} 2.5\n"
+        "# HELP trainpatrol_loss Training loss of the last step read back from the device.\n"
+        "# TYPE trainpatrol_loss gauge\n"
+        f"trainpatrol_loss{{{w}}} 1.5\n"
+        "# HELP trainpatrol_nonfinite_steps_total Steps whose loss or grad norm was NaN or Inf, by kind.\n"
+        "# TYPE trainpatrol_nonfinite_steps_total counter\n"
+        'trainpatrol_nonfinite_steps_total{container="trainer",kind="l%s",namespace="team-a",node="gpu-12",'
+        'pod="w-1",rank="1",run="r1"} 3.0\n'
+        "# HELP trainpatrol_rank_up 1 while the rank pushed within the liveness TTL.\n"
+        "# TYPE trainpatrol_rank_up gauge\n"
+        f"trainpatrol_rank_up{{{w}}} 1.0\n"
+        "# HELP trainpatrol_rank_last_push_timestamp_seconds Unix time of the rank's last accepted push.\n"
+        "# TYPE trainpatrol_rank_last_push_timestamp_seconds gauge\n"
+        f"trainpatrol_rank_last_push_timestamp_seconds{{{w}}} 1.70000000025e+09\n"
+        "# HELP trainpatrol_rank_last_step_timestamp_seconds Unix time at which the rank's step counter last "
+        "advanced.\n# TYPE trainpatrol_rank_last_step_timestamp_seconds gauge\n"
+        f"trainpatrol_rank_last_step_timestamp_seconds{{{w}}} 1.70000000025e+09\n")
+    assert_clean(body)
+
+
+def test_ranks_are_written_in_order_within_each_family() -> None:
+    store = RankStore(clock=Clock())
+    for rank, run, ns in ((1, "r1", ""), (0, "r2", ""), (0, "r1", "team-b"), (0, "r1", "")):
+        store.push(snap(rank, run=run, namespace=ns, world_size=2))
+    lines = [ln for ln in RankCollector(store).write().decode().splitlines() if ln.startswith("trainpatrol_loss{")]
+    assert lines == ['trainpatrol_loss{rank="0",run="r1"} 1.5', 'trainpatrol_loss{rank="1",run="r1"} 1.5',
+                     'trainpatrol_loss{rank="0",run="r2"} 1.5',
+                     'trainpatrol_loss{namespace="team-b",rank="0",run="r1"} 1.5']
+
+
+def test_values_go_does_not_write_as_python_does_and_a_zero_of_either_sign() -> None:
+    store = RankStore(clock=Clock())
+    store.push(snap(0, samples=[{"name": "trainpatrol_loss", "value": float("nan")},
+                                {"name": "trainpatrol_grad_norm", "value": float("inf")},
+                                {"name": "trainpatrol_amp_loss_scale", "value": -0.0},
+                                {"name": "trainpatrol_step_total", "value": 1.5e16}]))
+    body = RankCollector(store).write().decode()
+    assert [ln.rsplit(" ", 1)[1] for ln in body.splitlines() if ln.startswith(("trainpatrol_loss{",
+            "trainpatrol_grad_norm{", "trainpatrol_amp_loss_scale{", "trainpatrol_step_total{"))] == [
+        "1.5e+16", "NaN", "+Inf", "-0.0"]
+    store.push(snap(0, samples=[{"name": "trainpatrol_amp_loss_scale", "value": 0.0}]))
+    assert 'trainpatrol_amp_loss_scale{rank="0",run="r1"} 0.0\n' in RankCollector(store).write().decode()
+
+
+def test_changed_says_yes_after_a_push_and_after_the_ttl_and_no_in_between() -> None:
+    clock = Clock()
+    store = RankStore(rank_up_ttl=15.0, clock=clock)
+    collector = RankCollector(store)
+    assert collector.changed()
+    collector.write()
+    assert not collector.changed()
+    store.push(snap(0))
+    assert collector.changed()
+    collector.write()
+    clock.now = T0 + 15.0
+    assert not collector.changed()
+    clock.now = T0 + 15.001
+    assert collector.changed()
+    assert 'trainpatrol_rank_up{rank="0",run="r1"} 0.0\n' in collector.write().decode()
+    assert not collector.changed()
