@@ -5,7 +5,7 @@ rank pushes other series. The values are held as the text format writes them (Go
 formatted once as they arrive rather than at every scrape. Each write replaces the array (a delta
 line's is its stream's last array with the changed slots assigned), and no array is changed once
 written, so a push stream may keep the one it wrote as the base of its next delta. Writing a record
-is one ``%`` per family over its values.
+is one ``%`` over its values.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ def values_of(snap: RankSnapshot) -> list[str]:
 class Layout:
     plain: str
     """``rank="…",run="…"`` and the workload labels: the label block of the rank's liveness lines."""
-    templates: tuple[str, ...]
-    """Per catalogue family, its lines with ``%s`` where each value goes (an info's is always 1.0)."""
-    slots: tuple[Callable[[list[str]], tuple[str, ...]], ...]
-    """Per catalogue family, the texts of its values, taken from the texts of all values."""
+    template: str
+    """Every catalogue family's lines, NUL between families, with ``%s`` where each value goes (an
+    info's is always 1.0): one ``%`` writes the whole record. No label value holds a NUL (protocol.printable)."""
+    order: Callable[[list[str]], tuple[str, ...]]
+    """The texts of the values in the order the template takes them."""
 
     @classmethod
     def of(cls, snap: RankSnapshot) -> Layout:
@@ -76,7 +77,7 @@ class Layout:
                      head(_HISTOGRAM + "_count", base), head(_HISTOGRAM + "_sum", base)]
             lines[j] = [_percent(h) + "%s\n" for h in heads]
             slots[j] = list(range(at, at + len(heads)))
-        return cls(label_block(base), tuple(map("".join, lines)), tuple(map(_getter, slots)))
+        return cls(label_block(base), "\0".join(map("".join, lines)), _getter([i for f in slots for i in f]))
 
 
 class RankRecord:
@@ -118,8 +119,7 @@ class RankRecord:
     def texts(self) -> tuple[str, ...]:
         """Per catalogue family, this rank's lines; written again only after a write to the record."""
         if self._texts_of != self.generation:
-            values = self.values
-            self._texts = tuple([t % s(values) for t, s in zip(self.layout.templates, self.layout.slots, strict=True)])
+            self._texts = tuple((self.layout.template % self.layout.order(self.values)).split("\0"))
             self._texts_of = self.generation
         return self._texts
 
