@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import __version__
+from .._version import __version__
 from ..collectors.agent_self import AgentStats
 from ..collectors.health import CollectorSet, Collects
 from ..collectors.process_self import ProcessMetrics

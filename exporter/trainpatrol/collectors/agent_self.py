@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable
 from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from .. import __version__
+from .._version import __version__
 from ..agent.exposition import RenderedFamily, render, sample_line
 from ..catalogue import BY_NAME
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..actions import PRIORITY, STOP_EXIT_CODE
 from ..protocol import ActionRecord
 from ..report import write_report_quietly
 from . import checkpoint as ckpt
-from .actions import PRIORITY, STOP_EXIT_CODE
 from .coordinator import Agreement
 from .evidence import bundle_name, fetch_nvml, write_manifest, write_rank_part
 

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..actions import ACTIONS
 from ..agent.config import DEFAULT_URL
-from ..control.actions import ACTIONS
 from .guards import GUARDS, GuardConfig
 from .memory import MemoryReader
 

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..actions import ACTIONS, RUN_STATES
 from ..catalogue import STEP_DURATION_BUCKETS
-from ..control.actions import ACTIONS, RUN_STATES
 from .guards import GUARDS
 from .host_memory import HostMemoryReading
 from .loader import LoaderAudit
