@@ -40,7 +40,8 @@ probe seconds]."""
 
 class StepRecorder:
     def __init__(self, config: PatrolConfig, device: torch.device, history: History, totals: Totals, latest: Latest,
-                 guards: Guards, trip: Callable[[list[tuple[str, str]]], None], params: list[torch.nn.Parameter]) -> None:
+                 guards: Guards, trip: Callable[[list[tuple[str, str]]], None],
+                 params: list[torch.nn.Parameter]) -> None:
         self.config, self.device, self.history, self.totals, self.latest = config, device, history, totals, latest
         self.guards, self.trip, self._params = guards, trip, params
         self.hooks: UpdateHooks | None = None
