@@ -1,7 +1,8 @@
 """Pushes the rank's snapshot to its agent about once a second, from a background thread.
 
 The periodic pushes travel on one kept-open stream (probe.push_stream), so each costs the agent one
-chunk rather than one HTTP request. ``push_now`` (a state change, the final snapshot) is its own request, confirmed when it returns;
+chunk rather than one HTTP request. ``push_now`` (a state change, the final snapshot) is one
+``POST /v1/push``, confirmed when it returns;
 its kept-alive connection idles between state changes, so on a connection error (the agent closed
 it, or restarted) the request is sent once more on a new connection, within ``timeout``, and the
 final "closed" push still arrives. Pushes are bounded in time, retried with backoff, and a dropped
