@@ -22,7 +22,7 @@ class TrainingState:
                  extra_state: Callable[[], dict[str, Any]] | None = None,
                  load_extra_state: Callable[[dict[str, Any]], None] | None = None) -> None:
         self._objects, self._loader = objects, loader
-        self._extra_state, self._load_extra_state = extra_state, load_extra_state
+        self.extra_state, self.load_extra_state = extra_state, load_extra_state
         self.best_pending: float | None = None
         """A new best validation loss that the next checkpoint is marked with."""
 
@@ -35,7 +35,7 @@ class TrainingState:
 
     def per_rank(self, step: int) -> dict[str, Any]:
         return {"step": step, "rng": ckpt.rng_state(), "loader": self._loader.state(),
-                "extra": self._extra_state() if self._extra_state is not None else None}
+                "extra": self.extra_state() if self.extra_state is not None else None}
 
     def load(self, replicated: dict[str, Any], per_rank: dict[str, Any]) -> int:
         """Loads what the checkpoint holds; returns the loader's epoch."""
@@ -46,6 +46,6 @@ class TrainingState:
             ckpt.set_rng_state(per_rank["rng"])
         # the loader replays its epoch's start from its own RNG, then the checkpoint's RNG is set again
         epoch = self._loader.restore(per_rank.get("loader"), lambda: ckpt.set_rng_state(per_rank["rng"]))
-        if self._load_extra_state is not None and per_rank.get("extra") is not None:
-            self._load_extra_state(per_rank["extra"])
+        if self.load_extra_state is not None and per_rank.get("extra") is not None:
+            self.load_extra_state(per_rank["extra"])
         return epoch

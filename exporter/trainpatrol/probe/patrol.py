@@ -137,6 +137,22 @@ class Patrol:
         return self.record.last_evidence
 
     @property
+    def extra_state(self) -> Callable[[], dict[str, Any]] | None:
+        return self.training.extra_state
+
+    @extra_state.setter
+    def extra_state(self, extra_state: Callable[[], dict[str, Any]] | None) -> None:
+        self.training.extra_state = extra_state
+
+    @property
+    def load_extra_state(self) -> Callable[[dict[str, Any]], None] | None:
+        return self.training.load_extra_state
+
+    @load_extra_state.setter
+    def load_extra_state(self, load_extra_state: Callable[[dict[str, Any]], None] | None) -> None:
+        self.training.load_extra_state = load_extra_state
+
+    @property
     def best_pending(self) -> float | None:
         """A new best validation loss that the next checkpoint is marked with (see ``evaluate``)."""
         return self.training.best_pending
