@@ -4,21 +4,46 @@ and the executor that carries out what the ranks agreed."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
+from ..control.checkpoint import Checkpointer
 from ..control.commands import CommandBook
 from ..control.coordinator import Coordinator, encode
-from ..control.executor import Executor
+from ..control.evidence_writer import EvidenceWriter
+from ..control.executor import Executor, RankFacts
+from ..control.run_record import RunRecord
+from ..control.training_state import TrainingState
+from .config import PatrolConfig
+from .identity import Identity
 from .step_recorder import StepRecorder
 
 
 class ControlLoop:
-    def __init__(self, commands: CommandBook, coordinator: Coordinator, executor: Executor, recorder: StepRecorder,
-                 grad_accum_steps: int) -> None:
-        self.commands, self.coordinator, self.executor = commands, coordinator, executor
-        self._recorder, self._accum = recorder, grad_accum_steps
+    def __init__(self, cfg: PatrolConfig, identity: Identity, recorder: StepRecorder, *, record: RunRecord,
+                 checkpointer: Checkpointer, evidence: EvidenceWriter, training: TrainingState,
+                 wake: Callable[[], None], announce: Callable[[], object], context: Callable[[], dict[str, Any]],
+                 rearm_guards: Callable[[], None]) -> None:
+        """``wake``: the publisher, when an action is requested; ``announce``: push the state now."""
+        self._guard_actions, self._recorder, self._accum = cfg.guard_actions, recorder, cfg.grad_accum_steps
+        self.commands = CommandBook(cfg.run, time.time(), on_request=wake)
+        self.coordinator = Coordinator(identity.device, target_seconds=cfg.control_target_seconds)
+        self.executor = Executor(
+            RankFacts(cfg.run, identity.rank, identity.world_size, identity.device, cfg.guard_actions,
+                      cfg.pause_timeout_seconds, cfg.pause_poll_seconds),
+            checkpointer=checkpointer, coordinator=self.coordinator, commands=self.commands, record=record,
+            evidence=evidence, training=training, control_word=self.control_word, announce=announce,
+            context=context, rearm_guards=rearm_guards)
         self.boundary_driven = False
         """Whether the caller runs ``boundary()`` (the loader wrapper, a framework callback, a loop of its own);
         until then Patrol acts from its hook after ``optimizer.step()``."""
+
+    def trip(self, tripped: list[tuple[str, str]]) -> None:
+        """Guards that tripped request the actions configured for them."""
+        for guard, detail in tripped:
+            action = self._guard_actions.get(guard)
+            if action:
+                self.commands.request(action, f"local guard {guard}: {detail}", source=f"guard:{guard}")
 
     def control_word(self) -> list[int]:
         pending = {a: c["id"] for a, c in self.commands.pending().items()}

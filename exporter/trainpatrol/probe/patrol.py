@@ -1,12 +1,6 @@
-"""Patrol: the training-side module that runs in every rank.
-
-The hot path (``step``) keeps loss, grad norm and non-finite counts on the device and reads them one
-step later from pinned memory; it never synchronises host and device. On CPU it reads them at once,
-and folds them into history, totals and guards every few steps in one loop (a non-finite value at
-once). Control actions happen at step boundaries, agreed across ranks: before each batch when batches
-come through ``loader`` (the only place where a checkpoint holds the loader's position, for an exact
-resume), else right after ``optimizer.step()``. A non-finite step's update is skipped (``update_hooks``).
-Emits every rank metric of the catalogue through its agent (see docs/metrics.md).
+"""Patrol: the training-side module that runs in every rank, and the public face of its parts: the step
+recorder (the hot path, no host-device sync), the control loop (actions at step boundaries, agreed across
+ranks) and reporting (the pushes). A non-finite step's update is skipped (``update_hooks``).
 """
 
 from __future__ import annotations
@@ -16,7 +10,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -24,21 +18,18 @@ from typing import Any, TypeVar
 import torch
 
 from ..control.checkpoint import Checkpointer, Restored, SaveFn
-from ..control.commands import CommandBook
-from ..control.coordinator import Coordinator
 from ..control.evidence import fetch_nvml, set_recording
 from ..control.evidence_writer import EvidenceWriter
-from ..control.executor import Executor, RankFacts
 from ..control.run_record import RunRecord
 from ..control.training_state import STATEFUL, TrainingState
 from ..protocol import ActionRecord
 from .config import PatrolConfig
 from .control_loop import ControlLoop
-from .embedded import agent_answers, is_loopback_url, start_embedded_agent, wait_for_agent
+from .embedded import ensure_agent
 from .guards import Guards
 from .host_memory import HostMemory
 from .identity import detect
-from .loader import LoaderTracker, TimedLoader, audit
+from .loader import LoaderTracker, TimedLoader
 from .memory import MemoryReading
 from .metrics_state import Latest, Totals
 from .publisher import Publisher
@@ -75,7 +66,8 @@ class Patrol:
         self.workload = detect_workload()
         self.history, self.totals, self.latest = History(cfg.window), Totals(), Latest()
         self.guards = Guards(cfg.guards)
-        self.recorder = StepRecorder(cfg, self.device, self.history, self.totals, self.latest, self.guards, self._trip,
+        self.recorder = StepRecorder(cfg, self.device, self.history, self.totals, self.latest, self.guards,
+                                     lambda tripped: self.control.trip(tripped),
                                      list(model.parameters()) if model is not None else [])
         self._hooks: UpdateHooks | None = None
         self._framework = False
@@ -84,35 +76,25 @@ class Patrol:
         self.host_memory = HostMemory(cfg.host_memory_limit_bytes)
         self._best_val = math.inf
         self.validation_history: deque[dict[str, float]] = deque(maxlen=256)
-        self._audit_logged: set[str] = set()
         self.record = RunRecord()
-        self.commands = CommandBook(cfg.run, time.time(), on_request=lambda: self.publisher.wake())
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints, save_fn=save_fn)
-        self.coordinator = Coordinator(self.device, target_seconds=cfg.control_target_seconds)
         self.training = TrainingState(lambda: {name: getattr(self, name) for name in STATEFUL}, self.loader_tracker,
                                       extra_state, load_extra_state)
-        self.reporting = Reporting(cfg, self.identity, self.workload, self.recorder, self.guards, self.record,
-                                   self.host_memory, self.loader_tracker, self.commands.done)
         self.evidence = EvidenceWriter(cfg.evidence_dir, self.identity.rank, self.device,
                                        history=self.history.dump, config=self.config_dict,
                                        nvml=lambda: fetch_nvml(cfg.agent_url, cfg.token))
-        self.executor = Executor(
-            RankFacts(cfg.run, self.identity.rank, self.identity.world_size, self.device, cfg.guard_actions,
-                      cfg.pause_timeout_seconds, cfg.pause_poll_seconds),
-            checkpointer=self.checkpointer, coordinator=self.coordinator, commands=self.commands, record=self.record,
-            evidence=self.evidence, training=self.training, control_word=self.control_word,
-            announce=lambda: self.publisher.push_now(), context=self._evidence_context,
-            rearm_guards=self.guards.rearm)
-        self.control = ControlLoop(self.commands, self.coordinator, self.executor, self.recorder, cfg.grad_accum_steps)
+        self.control = ControlLoop(cfg, self.identity, self.recorder, record=self.record,
+                                   checkpointer=self.checkpointer, evidence=self.evidence, training=self.training,
+                                   wake=lambda: self.publisher.wake(), announce=lambda: self.publisher.push_now(),
+                                   context=lambda: self.reporting.evidence_context(), rearm_guards=self.guards.rearm)
+        self.commands, self.coordinator, self.executor = \
+            self.control.commands, self.control.coordinator, self.control.executor
+        self.reporting = Reporting(cfg, self.identity, self.workload, self.recorder, self.guards, self.record,
+                                   self.host_memory, self.loader_tracker, self.commands.done, self.validation_history)
         if cfg.record_memory_history:
             set_recording(True)
-        if cfg.embedded_agent and not agent_answers(cfg.agent_url):
-            # both wait for /healthz, so the first push finds the agent; it outlives this run (probe/embedded.py)
-            if self.identity.local_rank == 0:
-                start_embedded_agent(cfg.agent_url, idle_seconds=cfg.embedded_agent_idle_seconds)
-            elif is_loopback_url(cfg.agent_url) and not wait_for_agent(cfg.agent_url):
-                log.warning("trainpatrol: no agent answers at %s, and local rank 0 started none; pushes will retry",
-                            cfg.agent_url)
+        if cfg.embedded_agent:
+            ensure_agent(cfg.agent_url, self.identity.local_rank, cfg.embedded_agent_idle_seconds)
         self.publisher = Publisher(cfg.agent_url, self.reporting.snapshot, self.commands.from_agent, token=cfg.token,
                                    run_key=run_key(cfg.run_key, self.coordinator.distributed, self.device),
                                    interval=cfg.push_interval_seconds)
@@ -189,11 +171,7 @@ class Patrol:
 
     def loader(self, loader: Iterable[T]) -> TimedLoader[T]:
         """Wrap a batch iterable: times each wait and runs ``boundary()`` before each fetch."""
-        found = self.reporting.audit = audit(loader, self.device.type == "cuda")
-        for check, advice in (found.warnings if found else {}).items():
-            if check not in self._audit_logged:
-                self._audit_logged.add(check)
-                log.warning("trainpatrol DataLoader audit: %s: %s", check, advice)
+        self.reporting.audit_loader(loader, self.device.type == "cuda")
         return TimedLoader(loader, self.boundary, self.waited, self.loader_tracker)
 
     def waited(self, seconds: float) -> None:
@@ -218,12 +196,6 @@ class Patrol:
         if closed and self.recorder.on_cpu and self.commands and self._hooks is None \
                 and not self.control.boundary_driven:
             self.control.cannot_act()
-
-    def _trip(self, tripped: list[tuple[str, str]]) -> None:
-        for guard, detail in tripped:
-            action = self.config.guard_actions.get(guard)
-            if action:
-                self.request(action, f"local guard {guard}: {detail}", source=f"guard:{guard}")
 
     def evaluate(self, val_loss: float | torch.Tensor) -> None:
         """Record a validation loss (evaluation is off the hot path, so a tensor is read here). A new best one
@@ -273,11 +245,6 @@ class Patrol:
         if not self.control.boundary_driven:
             self.control.boundary()
 
-    def _evidence_context(self) -> dict[str, Any]:
-        found = self.reporting.audit
-        return {"loader_audit": asdict(found) if found is not None else None,
-                "guard_trips": list(self.guards.trip_log), "validation_history": list(self.validation_history)}
-
     # --- state out ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """The push payload (see trainpatrol.protocol.RankSnapshot)."""
@@ -322,8 +289,6 @@ class Patrol:
 
     def oom_forensics(self, exc: BaseException) -> Path:
         """Write an evidence directory for an OOM and push a final snapshot; the caller re-raises."""
-        self.recorder.catch_up(wait=False)
-        self.recorder.read_memory(self.totals.steps)
         bundle = self.reporting.oom_evidence(self.evidence, exc)
         self.publisher.push_now()
         log.error("trainpatrol: out of memory at step %d; evidence in %s", self.totals.steps, bundle)

@@ -3,6 +3,7 @@ evidence of an out-of-memory error."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -17,10 +18,12 @@ from .config import PatrolConfig
 from .guards import Guards
 from .host_memory import HostMemory, worker_pids
 from .identity import Identity
-from .loader import LoaderAudit, LoaderTracker
+from .loader import LoaderAudit, LoaderTracker, audit
 from .metrics_state import samples
 from .step_recorder import StepRecorder
 from .workload import Workload
+
+log = logging.getLogger("trainpatrol")
 
 
 def config_dict(config: PatrolConfig) -> dict[str, Any]:
@@ -35,10 +38,11 @@ def config_dict(config: PatrolConfig) -> dict[str, Any]:
 class Reporting:
     def __init__(self, config: PatrolConfig, identity: Identity, workload: Workload, recorder: StepRecorder,
                  guards: Guards, record: RunRecord, host_memory: HostMemory, loader_tracker: LoaderTracker,
-                 done_commands: Any) -> None:
+                 done_commands: Any, validation_history: Any) -> None:
         self.config, self.identity, self.workload, self.recorder = config, identity, workload, recorder
         self.guards, self.record, self.host_memory, self.loader_tracker = guards, record, host_memory, loader_tracker
-        self._done_commands = done_commands
+        self._done_commands, self._validation_history = done_commands, validation_history
+        self._audit_logged: set[str] = set()
         self.audit: LoaderAudit | None = None
         self.dropped = lambda: 0
         """Pushes the publisher dropped (set once it exists: it takes ``snapshot``)."""
@@ -76,8 +80,24 @@ class Reporting:
             self.recorder.latest.host_memory = reading
             self.recorder.trip(self.guards.check_host_memory(reading))
 
+    def audit_loader(self, loader: Any, cuda: bool) -> None:
+        """Audit a loader the rank iterates; each finding is logged once per run."""
+        found = self.audit = audit(loader, cuda)
+        for check, advice in (found.warnings if found else {}).items():
+            if check not in self._audit_logged:
+                self._audit_logged.add(check)
+                log.warning("trainpatrol DataLoader audit: %s: %s", check, advice)
+
+    def evidence_context(self) -> dict[str, Any]:
+        """What an action's evidence adds about this rank."""
+        return {"loader_audit": asdict(self.audit) if self.audit is not None else None,
+                "guard_trips": list(self.guards.trip_log), "validation_history": list(self._validation_history)}
+
     def oom_evidence(self, evidence: EvidenceWriter, exc: BaseException) -> Path:
+        """Every step so far and an allocator read, into an evidence bundle of its own."""
+        self.recorder.catch_up(wait=False)
         step = self.recorder.totals.steps
+        self.recorder.read_memory(step)
         bundle = evidence.bundle(time.time(), step, "oom")
         evidence.part(bundle, {"error": repr(exc)},
                       nvml={"available": False, "reason": "not fetched during OOM handling"})
