@@ -97,7 +97,7 @@ def _agent_parser(sub: Any) -> None:
     p.add_argument("--nvml-interval", type=float, dest="nvml_interval_seconds")
     p.add_argument("--nvml-slow-interval", type=float, dest="nvml_slow_interval_seconds",
                    help="seconds between reads of energy, ECC, retired pages, remapped rows, power limit, PCIe")
-    p.add_argument("--nvml-pcie", action="store_true", default=None, help="PCIe throughput (a slow call per GPU, so opt-in)")
+    p.add_argument("--nvml-pcie", action="store_true", default=None, help="PCIe throughput (slow per GPU)")
     p.add_argument("--nvml-processes", action="store_true", default=None, help="per-rank GPU memory")
     p.add_argument("--nvml-fake", help="serve recorded NVML readings from this fixture instead of a GPU")
     p.add_argument("--rank-up-ttl", type=float, dest="rank_up_ttl_seconds")
