@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
 __all__ = ["STOP_EXIT_CODE", "Patrol", "PatrolConfig", "__version__"]
 
-from .control.actions import STOP_EXIT_CODE
+from ._version import __version__
+from .actions import STOP_EXIT_CODE
 
 if TYPE_CHECKING:
     from .probe.config import PatrolConfig

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import errno
 import http.client
-import importlib.metadata
 import json
 import logging
 import os
@@ -19,12 +18,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ._version import __version__
+from .actions import ACTIONS
 from .agent.config import DEFAULT_PORT, DEFAULT_URL, EMBEDDED_IDLE_SECONDS
-from .control.actions import ACTIONS
+from .faults import FAULTS
 from .shipped import KINDS, export
 
 DEFAULT_AGENT = os.environ.get("TRAINPATROL_AGENT_URL", DEFAULT_URL)
-FAULTS = ("nan", "grad_spike", "fragmentation", "loader_stall", "none")
 DESCRIPTION = """Watches PyTorch training runs, exports their health to Prometheus, and pauses, checkpoints
 or stops a sick run. Training processes use Patrol (from trainpatrol import Patrol); this command
 runs the agent they push to, operates runs through it, and renders evidence reports."""
@@ -80,15 +80,6 @@ def _fault(value: str) -> str:
     return value
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("trainpatrol")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
-        from . import __version__
-
-        return __version__
-
-
 def _agent_parser(sub: Any) -> None:
     p = sub.add_parser("agent", help="run the agent (scrape target, control API, webhook receiver)")
     p.add_argument("--host", help="bind address (default 127.0.0.1; non-loopback needs a token)")
@@ -106,7 +97,7 @@ def _agent_parser(sub: Any) -> None:
     p.add_argument("--nvml-interval", type=float, dest="nvml_interval_seconds")
     p.add_argument("--nvml-slow-interval", type=float, dest="nvml_slow_interval_seconds",
                    help="seconds between reads of energy, ECC, retired pages, remapped rows, power limit, PCIe")
-    p.add_argument("--nvml-pcie", action="store_true", default=None, help="PCIe throughput (about 20 ms per GPU)")
+    p.add_argument("--nvml-pcie", action="store_true", default=None, help="PCIe throughput (slow per GPU)")
     p.add_argument("--nvml-processes", action="store_true", default=None, help="per-rank GPU memory")
     p.add_argument("--nvml-fake", metavar="FIXTURE",
                    help="serve recorded NVML readings from this fixture, with fake.py beside it, instead of a GPU "
@@ -165,7 +156,7 @@ def _demo_parser(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainpatrol", description=DESCRIPTION, epilog=EXAMPLES,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"trainpatrol {_version()}")
+    parser.add_argument("--version", action="version", version=f"trainpatrol {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _agent_parser(sub)
     _control_parsers(sub)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .agent.config import DEFAULT_PORT
-from .cli import FAULTS
+from .faults import FAULTS
 from .probe.memory import MemoryReading
 from .report import REPORT_NAME
 

@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .actions import Action
 from .catalogue import RANK_METRICS, STEP_DURATION_BUCKETS
-from .control.actions import Action
 
 RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 """For pydantic (whose ``$`` is the end of the text); Python code tests names with ``valid_run``."""

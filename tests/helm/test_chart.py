@@ -698,7 +698,7 @@ def _check_training_pod(template: Doc, container_name: str) -> None:
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_job_example(kube_version: str) -> None:
-    from trainpatrol.control.actions import STOP_EXIT_CODE
+    from trainpatrol.actions import STOP_EXIT_CODE
 
     job = yaml.safe_load((EXAMPLES / "job.yaml").read_text())
     kubernetes_validate.validate(job, kube_version, strict=True)

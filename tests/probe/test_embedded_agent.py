@@ -13,8 +13,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from servers import free_port, http_get, http_json, process, python_env, wait_for
+from trainpatrol.actions import STOP_EXIT_CODE
 from trainpatrol.agent.server import STARTUP_FAILURE
-from trainpatrol.control.actions import STOP_EXIT_CODE
 from trainpatrol.probe import embedded
 from trainpatrol.probe.embedded import agent_answers, start_embedded_agent
 

@@ -104,8 +104,8 @@ def test_a_healthy_loop_with_two_workers_exports_each_resident_set_and_stays_qui
                 if time.monotonic() - began >= 18:
                     break
         workers = [w.pid for w in loader._iterator._workers]  # type: ignore[union-attr]
-        seq = patrol._seq
-        wait_for(lambda: patrol._seq > seq + 1, 5, what="a push after the loop")
+        seq = patrol.reporting.seq
+        wait_for(lambda: patrol.reporting.seq > seq + 1, 5, what="a push after the loop")
         body = http_get(url + "/metrics")
         rank_rss, worker_rss = statm_rss(), [statm_rss(pid) for pid in workers]
         patrol.close()

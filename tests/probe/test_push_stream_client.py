@@ -85,21 +85,21 @@ def test_publisher_streams_deltas_hears_commands_and_its_final_push_is_confirmed
         pub.stop(final_push=True)
         last = latest(agent)  # no waiting: the final push is a request of its own, taken in when stop() returns
         assert last.seq == pub.delivered and last.samples[1].value == float(last.seq)
-        assert pub.streaming and pub.dropped == 0
+        assert pub.dropped == 0
         # the stream's last lines are still handled after it closed, in the agent's next batch
         wait_for(lambda: agent.stats.pushes["ok"] == pub.delivered, 5, what="every line handled")
         assert latest(agent).seq == last.seq  # and an older line never overwrites the final push
 
 
-def test_publisher_falls_back_to_one_request_per_push_on_an_older_agent() -> None:
+def test_without_the_stream_periodic_pushes_are_dropped_and_only_the_confirmed_push_arrives() -> None:
     agent = Agent(AgentConfig(nvml=False).load())
     with agent_in_thread(without_push_stream(agent)) as port:
-        pub = Publisher(f"http://127.0.0.1:{port}", _patrol_like(), lambda c: None, interval=0.05)
+        pub = Publisher(f"http://127.0.0.1:{port}", _patrol_like(), lambda c: None, interval=0.05, max_backoff=0.1)
         pub.start()
-        wait_for(lambda: pub.delivered >= 3, 10, what="three pushes")
+        wait_for(lambda: pub.dropped >= 3, 10, what="three refused streams")
+        assert pub.delivered == 0 and not agent.store.entries()  # no push went by request instead
         pub.stop(final_push=True)
-        assert not pub.streaming and pub.dropped == 0
-        assert latest(agent).seq == pub.delivered  # the snapshot whose stream was refused went by request
+        assert pub.delivered == 1 and latest(agent).seq == 1 + pub.dropped  # one snapshot per try, the last posted
 
 
 def test_publisher_reconnects_to_a_restarted_agent_with_a_whole_line() -> None:
@@ -115,5 +115,4 @@ def test_publisher_reconnects_to_a_restarted_agent_with_a_whole_line() -> None:
         seen = latest(second).seq
         wait_for(lambda: latest(second).seq > seen + 2, 10, what="deltas on the new stream")
         pub.stop(final_push=True)
-    assert pub.streaming
     assert latest(second).samples[1].value == float(latest(second).seq)

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from .. import __version__
+from .._version import __version__
 from ..collectors.health import CollectorSet
 from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector

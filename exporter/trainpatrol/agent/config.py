@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from ..control.actions import ACTIONS
+from ..actions import ACTIONS
 from ..protocol import DNS_LABEL
 
 Mode = Literal["agent", "router"]

@@ -12,7 +12,7 @@ import socket
 import threading
 from collections import Counter
 
-from .. import __version__
+from .._version import __version__
 from ..catalogue import BY_NAME
 from ..exposition import family
 

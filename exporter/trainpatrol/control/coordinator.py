@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .actions import ACTIONS
+from ..actions import ACTIONS
 
 SLOTS = len(ACTIONS)
 STEP_TIME_SLOT = SLOTS

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 
 log = logging.getLogger("trainpatrol")
 MAX_FILE_BYTES = 8 * 2**20

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..control.actions import STOP_EXIT_CODE
+from ..actions import STOP_EXIT_CODE
 from ..probe.config import PatrolConfig
 from ..probe.patrol import Patrol
 from ._common import check_accum, new_actions

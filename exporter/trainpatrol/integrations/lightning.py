@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ..control.actions import STOP_EXIT_CODE
+from ..actions import STOP_EXIT_CODE
 from ..probe import device_values as dv
 from ..probe.config import PatrolConfig
 from ..probe.loader import TimedLoader

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..actions import ACTIONS
 from ..agent.config import DEFAULT_URL
-from ..control.actions import ACTIONS
 from .guards import GUARDS, GuardConfig
 from .memory import MemoryReader
 
@@ -50,7 +50,7 @@ class PatrolConfig:
     CPU one warm loop per batch. Guards see them that much later, except a non-finite value on CPU
     (folded in at once) and every step when a loss or grad-norm guard has an action."""
     memory_interval_seconds: float = 1.0
-    """Allocator reads happen at most this often (13-139 µs each on an H200)."""
+    """Allocator reads happen at most this often (a read is not free: docs/benchmarks.md)."""
     checkpoint_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_CHECKPOINT_DIR",
                                                                        "trainpatrol/checkpoints"))
     evidence_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_EVIDENCE_DIR",

@@ -88,3 +88,14 @@ def start_embedded_agent(url: str, extra_args: list[str] | None = None,
     log.warning("trainpatrol: started an agent on port %d but none answers there (log %s); pushes will retry",
                 port, log_path)
     return False
+
+
+def ensure_agent(url: str, local_rank: int, idle_seconds: float) -> None:
+    """Local rank 0 starts an agent where none answers; the other ranks wait for it. Both wait for /healthz,
+    so the first push finds the agent; it outlives this run."""
+    if agent_answers(url):
+        return
+    if local_rank == 0:
+        start_embedded_agent(url, idle_seconds=idle_seconds)
+    elif is_loopback_url(url) and not wait_for_agent(url):
+        log.warning("trainpatrol: no agent answers at %s, and local rank 0 started none; pushes will retry", url)

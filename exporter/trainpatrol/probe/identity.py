@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from .workload import Workload
 
 

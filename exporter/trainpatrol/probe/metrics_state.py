@@ -7,8 +7,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..actions import ACTIONS, RUN_STATES
 from ..catalogue import STEP_DURATION_BUCKETS
-from ..control.actions import ACTIONS, RUN_STATES
+from ..control.run_record import RunRecord
 from .guards import GUARDS
 from .host_memory import HostMemoryReading
 from .loader import LoaderAudit
@@ -29,10 +30,8 @@ class Totals:
     nonfinite_loss: float = 0.0
     nonfinite_grad: float = 0.0
     amp_skipped: float = 0.0
-    checkpoint_failures: float = 0.0
     step_hist: list[float] = field(default_factory=lambda: [0.0] * (len(STEP_DURATION_BUCKETS) + 1))
     step_sum: float = 0.0
-    actions: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def observe_step(self, seconds: float) -> None:
         self.step_hist[bisect.bisect_left(STEP_DURATION_BUCKETS, seconds)] += 1
@@ -48,17 +47,16 @@ class Latest:
     learning_rates: list[float] = field(default_factory=list)
     memory: MemoryReading | None = None
     window_peak: float = 0.0
-    last_checkpoint_time: float = math.nan
-    last_checkpoint_step: float = math.nan
     interval_steps: int = 1
     host_memory: HostMemoryReading | None = None
     """The last host-memory reading (taken where a push is built: Patrol.snapshot)."""
 
 
 def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str, int],
-            guards_active: dict[str, bool], state: str, info: dict[str, str], audit: LoaderAudit | None,
+            guards_active: dict[str, bool], record: RunRecord, info: dict[str, str], audit: LoaderAudit | None,
             dropped: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    state = record.state
 
     def add(name: str, value: float, **labels: str) -> None:
         if math.isfinite(value):
@@ -117,10 +115,10 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
         add("rank_state", 1.0 if s == state else 0.0, state=s)
     for action in ACTIONS:  # every series exists from the start, so increase() sees the first action
         for outcome in ("ok", "failed", "skipped"):
-            add("actions_total", t.actions.get((action, outcome), 0.0), action=action, outcome=outcome)
-    add("checkpoint_failures_total", t.checkpoint_failures)
-    add("last_checkpoint_timestamp_seconds", latest.last_checkpoint_time)
-    add("last_checkpoint_step", latest.last_checkpoint_step)
+            add("actions_total", record.action_counts.get((action, outcome), 0.0), action=action, outcome=outcome)
+    add("checkpoint_failures_total", record.checkpoint_failures)
+    add("last_checkpoint_timestamp_seconds", record.last_checkpoint_time)
+    add("last_checkpoint_step", record.last_checkpoint_step)
     add("control_interval_steps", latest.interval_steps)
     add("push_dropped_total", dropped)
     return out

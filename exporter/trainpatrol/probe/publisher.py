@@ -1,8 +1,8 @@
 """Pushes the rank's snapshot to its agent about once a second, from a background thread.
 
 The periodic pushes travel on one kept-open stream (probe.push_stream), so each costs the agent one
-chunk rather than one HTTP request; an agent without the stream gets one ``POST /v1/push`` per push.
-``push_now`` (a state change, the final snapshot) is its own request, confirmed when it returns;
+chunk rather than one HTTP request. ``push_now`` (a state change, the final snapshot) is one
+``POST /v1/push``, confirmed when it returns;
 its kept-alive connection idles between state changes, so on a connection error (the agent closed
 it, or restarted) the request is sent once more on a new connection, within ``timeout``, and the
 final "closed" push still arrives. Pushes are bounded in time, retried with backoff, and a dropped
@@ -11,7 +11,7 @@ handed to ``on_commands`` as they arrive.
 
 Periodic pushes fall on whole multiples of the interval on the wall clock (``next_push_delay``), so
 the ranks of a node push in the same instant and their agent wakes once for all of them rather than
-once per rank: on an idle core a wake-up cost the agent more than a small push (bench/scrape.py).
+once per rank: on an idle core a wake-up costs the agent more than a small push (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..agent.config import DEFAULT_PORT
-from .push_stream import RUN_KEY_HEADER, PushStream, StreamRefused
+from .push_stream import RUN_KEY_HEADER, PushStream
 from .snapshot_delta import DeltaEncoder
 
 log = logging.getLogger("trainpatrol")
@@ -65,8 +65,6 @@ class Publisher:
         self._conn: http.client.HTTPConnection | None = None
         self._stream = PushStream(self._host, self._port, token, timeout, run_key=run_key)
         self._delta = DeltaEncoder()
-        self.streaming = True
-        """False once the agent has shown it has no push stream (an older agent): one request per push."""
         self._conn_lock = threading.RLock()
         self._failing = False
 
@@ -86,7 +84,7 @@ class Publisher:
 
     def _push_periodic(self) -> bool:
         try:
-            self._push_once()
+            self._push_on_stream(self._snapshot())
             return True
         except Exception as exc:
             self._failed(exc)
@@ -104,7 +102,7 @@ class Publisher:
         if final_push:
             self.push_now()
         with self._conn_lock:
-            self._stream.close()  # the agent still handles lines it has; older ones lose to the final push
+            self._stream.close()  # the agent still handles the lines it has; the final push came after them
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -147,20 +145,6 @@ class Publisher:
             log.warning("trainpatrol: push to agent %s:%d failed (%s); retrying with backoff",
                         self._host, self._port, exc)
         self._failing = True
-
-    def _push_once(self) -> None:
-        snapshot = self._snapshot()
-        if self.streaming:
-            try:
-                self._push_on_stream(snapshot)
-                return
-            except StreamRefused as exc:
-                if exc.status not in (404, 405):
-                    raise
-                self.streaming = False
-                log.info("trainpatrol: agent %s:%d has no push stream; pushing one request at a time",
-                         self._host, self._port)
-        self._post(json.dumps(snapshot).encode())
 
     def _push_on_stream(self, snapshot: dict[str, Any]) -> None:
         with self._conn_lock:

@@ -19,7 +19,7 @@ RUN_KEY_HEADER = "X-Trainpatrol-Run-Key"
 
 
 class StreamRefused(Exception):
-    """The agent answered the stream's request with an error status (an old agent: 404)."""
+    """The agent answered the stream's request with an error status (a wrong token: 401)."""
 
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(f"agent answered {status}: {detail}")

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from .. import __version__
+from .._version import __version__
 from . import hardware, story
 from ._html import CSS, esc, note
 from .bundle import Bundle, load, ranks_text

@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__, shipped
+from .. import shipped
+from .._version import __version__
 
 ENV = "TRAINPATROL_RUNBOOKS"
 PACKAGED = f"the runbooks of trainpatrol {__version__} (docs/runbooks.md)"

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..control.actions import STOP_EXIT_CODE
+from ..actions import STOP_EXIT_CODE
 from ..loader_audit import ADVICE
 from ._html import details, esc, note, num, table
 from .bundle import Bundle, ranks_text

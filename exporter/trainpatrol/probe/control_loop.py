@@ -1,0 +1,77 @@
+"""The rank's control loop: requested actions, the lagged control word exchanged at step boundaries,
+and the executor that carries out what the ranks agreed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..control.checkpoint import Checkpointer
+from ..control.commands import CommandBook
+from ..control.coordinator import Coordinator, encode
+from ..control.evidence_writer import EvidenceWriter
+from ..control.executor import Executor, RankFacts
+from ..control.run_record import RunRecord
+from ..control.training_state import TrainingState
+from .config import PatrolConfig
+from .identity import Identity
+from .step_recorder import StepRecorder
+
+
+class ControlLoop:
+    def __init__(self, cfg: PatrolConfig, identity: Identity, recorder: StepRecorder, *, record: RunRecord,
+                 checkpointer: Checkpointer, evidence: EvidenceWriter, training: TrainingState,
+                 wake: Callable[[], None], announce: Callable[[], object], context: Callable[[], dict[str, Any]],
+                 rearm_guards: Callable[[], None]) -> None:
+        """``wake``: the publisher, when an action is requested; ``announce``: push the state now."""
+        self._guard_actions, self._recorder, self._accum = cfg.guard_actions, recorder, cfg.grad_accum_steps
+        self.commands = CommandBook(cfg.run, time.time(), on_request=wake)
+        self.coordinator = Coordinator(identity.device, target_seconds=cfg.control_target_seconds)
+        self.executor = Executor(
+            RankFacts(cfg.run, identity.rank, identity.world_size, identity.device, cfg.guard_actions,
+                      cfg.pause_timeout_seconds, cfg.pause_poll_seconds),
+            checkpointer=checkpointer, coordinator=self.coordinator, commands=self.commands, record=record,
+            evidence=evidence, training=training, control_word=self.control_word, announce=announce,
+            context=context, rearm_guards=rearm_guards)
+        self.boundary_driven = False
+        """Whether the caller runs ``boundary()`` (the loader wrapper, a framework callback, a loop of its own);
+        until then Patrol acts from its hook after ``optimizer.step()``."""
+
+    def trip(self, tripped: list[tuple[str, str]]) -> None:
+        """Guards that tripped request the actions configured for them."""
+        for guard, detail in tripped:
+            action = self._guard_actions.get(guard)
+            if action:
+                self.commands.request(action, f"local guard {guard}: {detail}", source=f"guard:{guard}")
+
+    def control_word(self) -> list[int]:
+        pending = {a: c["id"] for a, c in self.commands.pending().items()}
+        history = self._recorder.history
+        return encode(pending, history.median("step_seconds", 20) if history.records else 0.0, time.time())
+
+    def cannot_act(self) -> None:
+        action = next(iter(self.commands.pending().values()))
+        raise RuntimeError(f"trainpatrol: `{action['action']}` was requested ({action['reason']}), but this loop has "
+                           "no step boundary where Patrol can act: iterate batches through `patrol.loader(...)`, "
+                           "pass `optimizer=` to Patrol, or call `patrol.boundary()` between steps.")
+
+    def boundary(self) -> None:
+        """Exchange the control word when due and carry out agreed actions."""
+        if not self.commands and not self.coordinator.distributed:
+            return
+        recorder = self._recorder
+        if recorder.totals.micro_steps % self._accum:
+            return
+        start = time.perf_counter()
+        step = recorder.totals.steps
+        if not self.coordinator.due(step):
+            return
+        recorder.absorb_host()  # the control word carries the recent step time
+        agreed = self.coordinator.exchange(step, self.control_word())
+        recorder.latest.interval_steps = self.coordinator.interval
+        recorder.probe_since_step += time.perf_counter() - start
+        if agreed is not None and agreed.commands:
+            recorder.catch_up(wait=True)
+            self.executor.execute(agreed)
+            recorder.last_step_end = time.perf_counter()

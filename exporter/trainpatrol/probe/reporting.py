@@ -1,0 +1,115 @@
+"""What the rank reports: the push payload, the host-memory reading taken as it is built, and the
+evidence of an out-of-memory error."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..control.evidence_writer import EvidenceWriter
+from ..control.run_record import RunRecord
+from .config import PatrolConfig
+from .guards import Guards
+from .host_memory import HostMemory, worker_pids
+from .identity import Identity
+from .loader import LoaderAudit, LoaderTracker, audit
+from .metrics_state import samples
+from .step_recorder import StepRecorder
+from .workload import Workload
+
+log = logging.getLogger("trainpatrol")
+
+
+def config_dict(config: PatrolConfig) -> dict[str, Any]:
+    """The config as evidence bundles and checkpoints carry it: without the token and the run key."""
+    d = asdict(config)
+    d.pop("token", None)
+    d.pop("run_key", None)
+    d["memory_reader"] = repr(config.memory_reader)
+    return d
+
+
+class Reporting:
+    def __init__(self, config: PatrolConfig, identity: Identity, workload: Workload, recorder: StepRecorder,
+                 guards: Guards, record: RunRecord, host_memory: HostMemory, loader_tracker: LoaderTracker,
+                 done_commands: Any, validation_history: Any) -> None:
+        self.config, self.identity, self.workload, self.recorder = config, identity, workload, recorder
+        self.guards, self.record, self.host_memory, self.loader_tracker = guards, record, host_memory, loader_tracker
+        self._done_commands, self._validation_history = done_commands, validation_history
+        self._audit_logged: set[str] = set()
+        self.audit: LoaderAudit | None = None
+        self.dropped = lambda: 0
+        """Pushes the publisher dropped (set once it exists: it takes ``snapshot``)."""
+        self.seq = 0
+        self._instance = secrets.token_hex(8)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The push payload (see trainpatrol.protocol.RankSnapshot). From the training thread it holds
+        every step so far; from the publisher's, CPU values may be ``readback_lag_seconds`` late, as on CUDA."""
+        recorder = self.recorder
+        if recorder.rows_waiting and threading.get_ident() == recorder.owner:
+            recorder.absorb_host()
+        self._read_host_memory()
+        self.seq += 1
+        ident, totals, record = self.identity, recorder.totals, self.record
+        return {
+            "run": self.config.run, "rank": ident.rank, "instance": self._instance, "local_rank": ident.local_rank,
+            "world_size": ident.world_size, "host": ident.host, "pid": os.getpid(), "gpu_uuid": ident.gpu_uuid,
+            **self.workload.fields(),
+            "seq": self.seq, "time": time.time(), "step": totals.steps, "state": record.state,
+            "samples": samples(totals, recorder.latest, recorder.history, self.guards.trips, self.guards.active,
+                               record, ident.info_labels(self.workload), self.audit, self.dropped()),
+            "histogram": {"counts": _cumulative(totals.step_hist), "sum": totals.step_sum},
+            "actions": [a.model_dump() for a in record.actions],
+            "done_commands": list(self._done_commands),
+            "last_checkpoint": record.last_checkpoint, "evidence_dir": record.last_evidence,
+        }
+
+    def _read_host_memory(self) -> None:
+        """The rank's and its loader workers' resident sets, judged by the host_memory_leak guard. Read here, as
+        a push is built (on the publisher thread), never in ``step``; a tripped guard's action is a request,
+        carried out by the training thread at its next boundary."""
+        reading = self.host_memory.read(worker_pids(self.loader_tracker.iterator()))
+        if reading is not None:
+            self.recorder.latest.host_memory = reading
+            self.recorder.trip(self.guards.check_host_memory(reading))
+
+    def audit_loader(self, loader: Any, cuda: bool) -> None:
+        """Audit a loader the rank iterates; each finding is logged once per run."""
+        found = self.audit = audit(loader, cuda)
+        for check, advice in (found.warnings if found else {}).items():
+            if check not in self._audit_logged:
+                self._audit_logged.add(check)
+                log.warning("trainpatrol DataLoader audit: %s: %s", check, advice)
+
+    def evidence_context(self) -> dict[str, Any]:
+        """What an action's evidence adds about this rank."""
+        return {"loader_audit": asdict(self.audit) if self.audit is not None else None,
+                "guard_trips": list(self.guards.trip_log), "validation_history": list(self._validation_history)}
+
+    def oom_evidence(self, evidence: EvidenceWriter, exc: BaseException) -> Path:
+        """Every step so far and an allocator read, into an evidence bundle of its own."""
+        self.recorder.catch_up(wait=False)
+        step = self.recorder.totals.steps
+        self.recorder.read_memory(step)
+        bundle = evidence.bundle(time.time(), step, "oom")
+        evidence.part(bundle, {"error": repr(exc)},
+                      nvml={"available": False, "reason": "not fetched during OOM handling"})
+        evidence.index(bundle, {"action": "oom", "step": step, "rank": self.identity.rank},
+                       {"source": "exception", "error": repr(exc)})
+        self.record.last_evidence = str(bundle)
+        return bundle
+
+
+def _cumulative(counts: list[float]) -> list[float]:
+    out, acc = [], 0.0
+    for c in counts:
+        acc += c
+        out.append(acc)
+    return out

@@ -1,0 +1,281 @@
+"""Records the training steps: the hot path of ``Patrol.step``.
+
+On CUDA a step's loss, grad norm and loss scale go into a device ring, are copied non-blocking to pinned
+memory and are read a step or a few later: never a host-device sync. On CPU a value is read at once
+(for free) and the step's row waits in a batch of about ``readback_lag_seconds`` (a non-finite value
+and a due allocator read at once). Both fold their values into history, totals and guards through one
+path, ``_absorb_values``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from . import device_values as dv
+from .config import PatrolConfig
+from .guards import Guards
+from .memory import default_reader
+from .metrics_state import Latest, Totals
+from .readback import Readback
+from .update_hooks import UpdateHooks
+from .window import History, StepRecord
+
+log = logging.getLogger("trainpatrol")
+JUDGED_AT_ONCE = {"nonfinite_loss", "nonfinite_grad", "memory_fragmentation", "oom_risk", "host_memory_leak"}
+"""Guards whose action never waits for a CPU batch (see ``record``, ``read_memory``)."""
+CLIPPED_NORM_STEPS = 8
+"""Steps in a row with the same grad norm (to 1e-5) that mean it was read after clipping."""
+Row = list[Any]
+"""A CPU step not yet folded in: [step, end, seconds, loader wait, loss, grad norm, scale, learning rate,
+probe seconds]."""
+
+
+class StepRecorder:
+    def __init__(self, config: PatrolConfig, device: torch.device, history: History, totals: Totals, latest: Latest,
+                 guards: Guards, trip: Callable[[list[tuple[str, str]]], None],
+                 params: list[torch.nn.Parameter]) -> None:
+        self.config, self.device, self.history, self.totals, self.latest = config, device, history, totals, latest
+        self.guards, self.trip, self._params = guards, trip, params
+        self.hooks: UpdateHooks | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: Any = None
+        self._values = dv.DeviceValues(device)
+        self._readback = Readback(device, dv.WIDTH)
+        self._flush_every = 1
+        self.on_cpu = device.type == "cpu"
+        self._rows: list[Row] = []
+        self._host_batch = 1
+        self._batch_steps = not config.guard_actions.keys() - JUDGED_AT_ONCE
+        """Whether CPU steps may wait in a batch: not when a guard judged there may act, as its action
+        must come at the next boundary (non-finite values and memory readings are judged at once)."""
+        self.owner = threading.get_ident()
+        """The thread that records steps: only it folds the CPU batch in (see ``Reporting.snapshot``)."""
+        self._memory_reader = config.memory_reader or default_reader(device)
+        self._memory_due = -math.inf if self._memory_reader is not None else math.inf
+        self._lrs: list[Any] | None = None
+        """The last step's param-group learning rates, until ``latest`` takes them."""
+        self._loss_sum: torch.Tensor | None = None
+        self._wait_since_step = 0.0
+        self.probe_since_step = 0.0
+        self.last_step_end = time.perf_counter()
+        self._last_scale = math.nan
+        self._same_norm, self._same_norm_steps, self._warned_clipped = math.nan, 0, False
+
+    @property
+    def rows_waiting(self) -> bool:
+        return bool(self._rows)
+
+    def waited(self, seconds: float) -> None:
+        self._wait_since_step += seconds
+        self.totals.loader_wait += seconds
+
+    def start_at(self, step: int) -> None:
+        self.absorb_host()
+        self.totals.steps = step
+        self.totals.micro_steps = step * self.config.grad_accum_steps
+        self.last_step_end = time.perf_counter()
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None, batch_size: int | None,
+               tokens: int | None, learning_rates: list[float] | None) -> bool:
+        """One micro-step (see ``Patrol.step``); returns whether it closed an optimizer step."""
+        start = time.perf_counter()
+        t = self.totals
+        t.micro_steps += 1
+        if batch_size:
+            t.samples += batch_size
+        if tokens:
+            t.tokens += tokens
+        accum = self.config.grad_accum_steps
+        if accum > 1:
+            detached = loss.detach()
+            self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+            if t.micro_steps % accum:
+                self.probe_since_step += time.perf_counter() - start
+                return False
+            mean_loss, self._loss_sum = self._loss_sum / accum, None
+        else:
+            mean_loss = loss
+        if grad_norm is None and self._params:
+            grad_norm = dv.total_grad_norm(self._params)
+        scale = None
+        if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: False)():
+            scale = getattr(self.scaler, "_scale", None)
+        t.steps += 1
+        if learning_rates is not None:
+            self.latest.learning_rates, self._lrs = list(learning_rates), None
+        elif self.optimizer is not None:
+            lrs: list[Any] = []  # a plain loop is the cheapest way in situ; _take_lrs filters
+            for group in self.optimizer.param_groups:
+                lrs.append(group.get("lr"))
+            self._lrs = lrs
+        if not self.on_cpu:
+            rec = self._step_device(mean_loss, grad_norm, scale)
+            if self.latest.learning_rates:
+                rec.learning_rate = self.latest.learning_rates[0]
+            rec.probe_seconds = self.probe_since_step + (time.perf_counter() - start)
+            self.probe_since_step = 0.0
+            return True
+        # on CPU a value is read for free (item(): no detach, no warning); the row is folded in later
+        loss_f = float(mean_loss.item())
+        gn_f = dv.ABSENT if grad_norm is None else \
+            float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+        lr = learning_rates[0] if learning_rates else self._lrs[0] if self._lrs else math.nan
+        row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f,
+               1.0 if scale is None else float(scale.item() if isinstance(scale, torch.Tensor) else scale),
+               float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
+        self.last_step_end = start
+        self._wait_since_step = 0.0
+        rows = self._rows
+        if not rows:
+            self.owner = threading.get_ident()
+        rows.append(row)
+        both = loss_f + gn_f
+        if self.hooks is not None:
+            self.hooks.judge(both - both != 0)  # NaN/Inf in either; an absent norm is a finite -1
+        # a non-finite value is folded in at once, so a guard's action comes at the next boundary
+        if len(rows) >= self._host_batch or both - both != 0 or start >= self._memory_due:
+            self.absorb_host(start >= self._memory_due)
+            self.history.records[-1].probe_seconds = self.probe_since_step + (time.perf_counter() - start)
+        else:
+            row[-1] = self.probe_since_step + (time.perf_counter() - start)
+        self.probe_since_step = 0.0
+        return True
+
+    def _step_device(self, mean_loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
+                     scale: torch.Tensor | None) -> StepRecord:
+        """One step's values into the device ring; its record is made now, its values read back later."""
+        self._values.record(mean_loss, grad_norm, scale)
+        if self.hooks is not None and self.hooks.mode != "off":  # the row just written holds loss and grad norm
+            self.hooks.judge(self._values.nonfinite())
+        now = time.perf_counter()
+        rec = self._open_record(self.totals.steps, time.time(), now - self.last_step_end, self._wait_since_step)
+        self.last_step_end = now
+        self._wait_since_step = 0.0
+        self._take_lrs()
+        if now >= self._memory_due:
+            self.read_memory(rec.step, now)
+        if self._values.filled >= self._flush_every:
+            self._flush()
+        self._absorb(self._readback.poll())
+        return rec
+
+    def _open_record(self, step: int, wall: float, seconds: float, wait: float) -> StepRecord:
+        """A step's record, before its values are read."""
+        rec = self.history.record(step, wall)
+        rec.step_seconds, rec.loader_wait_seconds = seconds, wait
+        self.totals.observe_step(seconds)
+        return rec
+
+    def _take_lrs(self) -> None:
+        """The last step's param-group learning rates, as read, into ``latest``."""
+        if self._lrs is not None:
+            self.latest.learning_rates = [float(v) for v in self._lrs if isinstance(v, (float, int))]
+            self._lrs = None
+
+    def read_memory(self, step: int, now: float | None = None) -> None:
+        """Read the allocator into ``step``'s record; ``now``: a timed read, the next one due an interval later."""
+        if self._memory_reader is None:
+            return
+        if now is not None:
+            self._memory_due = now + self.config.memory_interval_seconds
+        m = self._memory_reader()
+        if m is None:
+            return
+        prev = self.latest.memory
+        if prev is not None:
+            m = replace(m, peak_seen=max(prev.peak_seen, prev.peak_allocated))
+        rec = self.history.get(step)
+        if rec is not None:
+            rec.allocated_bytes, rec.reserved_bytes = m.allocated, m.reserved
+            rec.fragmentation_ratio = m.fragmentation
+        rose = prev is not None and m.peak_allocated > prev.peak_allocated
+        self.latest.window_peak = max(self.history.max("allocated_bytes"), m.peak_allocated if rose else 0.0)
+        self.latest.memory = m
+        self.trip(self.guards.check_memory(m))
+
+    def catch_up(self, *, wait: bool) -> None:
+        """Fold in every step recorded so far: the CPU batch, and the device ring (``wait``: the copies
+        still in flight too, else those already landed)."""
+        self.absorb_host()
+        self._flush()
+        self._absorb(self._readback.drain() if wait else self._readback.poll())
+
+    def _flush(self) -> None:
+        """Send the filled rows to the host; on CUDA, size the next batch to about ``readback_lag``."""
+        if not self._values.filled:
+            return
+        rows, buf = self._values.flush()
+        self._readback.submit((self.totals.steps - rows + 1, rows), buf)
+        if self.device.type == "cuda":
+            recent = self.history.median("step_seconds", 8)
+            lag = self.config.readback_lag_seconds
+            self._flush_every = max(1, min(dv.ROWS, int(lag / recent) if recent > 0 else 1))
+
+    def _absorb(self, values: list[tuple[tuple[int, int], list[float]]]) -> None:
+        """Fold read-back device values (late by a step or a few) into history, totals and guards."""
+        for (first, rows), v in values:
+            for step, loss, raw_gn, scale in dv.unpack(first, rows, v):
+                self._absorb_values(self.history.get(step), step, loss, raw_gn, scale)
+
+    def absorb_host(self, read_memory: bool = False) -> None:
+        """Fold the pending CPU rows into history, totals and guards in step order, as a device step is
+        (``read_memory``: an allocator read at the last row)."""
+        rows = self._rows
+        if not rows:
+            return
+        self._rows = []
+        self._take_lrs()
+        wall = time.time() - time.perf_counter()
+        last, elapsed = rows[-1], 0.0
+        for row in rows:
+            step, end, seconds, wait, loss, gn, scale, lr, probe = row
+            rec = self._open_record(step, wall + end, seconds, wait)
+            rec.probe_seconds, rec.learning_rate = probe, lr
+            elapsed += seconds
+            if read_memory and row is last:
+                self.read_memory(step, end)
+            self._absorb_values(rec, step, loss, gn, scale)
+        # the next batch covers about readback_lag_seconds of steps
+        if self._batch_steps and elapsed > 0:
+            self._host_batch = max(1, min(dv.ROWS, int(self.config.readback_lag_seconds * len(rows) / elapsed)))
+
+    def _absorb_values(self, rec: StepRecord | None, step: int, loss: float, raw_gn: float, scale: float) -> None:
+        """Fold one step's values in."""
+        gn = None if raw_gn == dv.ABSENT else raw_gn
+        t = self.totals
+        t.nonfinite_loss += not math.isfinite(loss)
+        t.nonfinite_grad += gn is not None and not math.isfinite(gn)
+        tripped = self.guards.check_step(step, loss, gn, self.history)
+        if tripped:
+            self.trip(tripped)
+        gn_value = math.nan if gn is None else gn
+        if rec is not None:
+            rec.loss, rec.grad_norm = loss, gn_value
+        self.latest.loss, self.latest.grad_norm = loss, gn_value
+        if gn_value > 0 and abs(gn_value - self._same_norm) <= 1e-5 * gn_value:
+            self._watch_clipped(gn_value)
+        else:
+            self._same_norm, self._same_norm_steps = gn_value, 1
+        if self.scaler is not None:
+            if scale < self._last_scale:
+                t.amp_skipped += 1
+            self._last_scale = self.latest.loss_scale = scale
+
+    def _watch_clipped(self, norm: float) -> None:
+        """A grad norm that reads the same value (to 1e-5) step after step is the clipped one: ``step()`` was called
+        after ``clip_grad_norm_`` without ``grad_norm=``. Then GradNormExplosion can never fire: say so, once."""
+        self._same_norm_steps += 1
+        if self._same_norm_steps == CLIPPED_NORM_STEPS and not self._warned_clipped:
+            self._warned_clipped = True
+            log.warning("trainpatrol: the grad norm read %.6g on %d steps in a row: it looks clipped (patrol.step() "
+                        "after clip_grad_norm_ reads the clipped gradients). Pass grad_norm=<the total "
+                        "clip_grad_norm_ returns>, or call patrol.step() before clipping, so a blow-up shows.",
+                        norm, CLIPPED_NORM_STEPS)
