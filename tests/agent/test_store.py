@@ -63,8 +63,8 @@ def test_a_delta_line_assigns_the_slots_it_names_onto_the_streams_last_write() -
     store.push(snap(loss=1.5, step=5), line=first)
     line = StreamWrite([(1, 0.25), (2, 3)], first.written)
     store.push(delta([(1, 0.25), (2, 3)]), line=line)
-    assert first.written is not None and first.written.values == ["5.0", "1.5", "0.0"]  # as it was written
-    assert line.written is not None and line.written.values == ["5.0", "0.25", "3.0"]
+    assert first.written is not None and first.written.write.values == ["5.0", "1.5", "0.0"]  # as it was written
+    assert line.written is not None and line.written.write.values == ["5.0", "0.25", "3.0"]
     text = body(store)
     labels = {"run": "r1", "rank": "0"}
     assert value(text, "trainpatrol_loss", labels) == 0.25
@@ -84,14 +84,26 @@ def test_a_delta_builds_on_its_own_streams_last_line_whatever_was_pushed_in_betw
     assert (loss(store), value(body(store), "trainpatrol_step_total", {"run": "r1", "rank": "0"})) == (1.5, 6.0)
 
 
-@pytest.mark.parametrize("case", ["no base", "other series in between", "another instance", "index outside"])
+def test_a_delta_applies_after_pushes_of_other_series_in_between_once_the_series_are_back() -> None:
+    """A pause and a resume between two stream lines: the single pushes carry other series (the
+    rank's state) and then the stream's own again, so its next delta still builds on its last line."""
+    store = RankStore(clock=Clock())
+    first = StreamWrite(None, None)
+    store.push(snap(loss=1.5, step=5), line=first)
+    store.push(RankSnapshot.model_validate({"run": "r1", "rank": 0, "world_size": 4, "instance": "a" * 16,
+                                            "samples": [{"name": "trainpatrol_loss", "value": 1.0}]}))
+    store.push(snap(loss=1.0, step=5))
+    line = StreamWrite([(0, 6.0)], first.written)
+    store.push(delta([(0, 6.0)]), line=line)
+    assert line.written is not None and line.written.write.values == ["6.0", "1.5", "0.0"]
+    assert loss(store) == 1.5
+
+
+@pytest.mark.parametrize("case", ["no base", "another instance", "index outside"])
 def test_a_delta_without_its_base_is_refused_and_changes_nothing(case: str) -> None:
     store = RankStore(clock=Clock())
     first = StreamWrite(None, None)
     store.push(snap(loss=1.5), line=first)
-    if case == "other series in between":
-        store.push(RankSnapshot.model_validate({"run": "r1", "rank": 0, "world_size": 4, "instance": "a" * 16,
-                                                "samples": [{"name": "trainpatrol_loss", "value": 1.0}]}))
     changed = [(3, 9.0)] if case == "index outside" else [(1, 9.0)]
     line = StreamWrite(changed, None if case == "no base" else first.written)
     before = body(store)
@@ -101,6 +113,20 @@ def test_a_delta_without_its_base_is_refused_and_changes_nothing(case: str) -> N
     assert line.written is None and body(store) == before
 
 
+def test_a_stream_line_kept_out_as_late_is_still_the_base_of_that_streams_next_delta() -> None:
+    """A state change's single push overtakes a stream line still waiting for its batch: the store
+    keeps the newer push, and the stream's next delta names only what moved since the late line."""
+    store = RankStore(clock=Clock())
+    first = StreamWrite(None, None)
+    store.push(snap(loss=1.5, step=5, seq=5), line=first)
+    store.push(snap(loss=0.9, step=7, seq=7))
+    late = StreamWrite([(1, 1.0), (0, 6.0)], first.written)
+    assert store.push(delta([(1, 1.0), (0, 6.0)], seq=6), line=late) == []
+    assert loss(store) == 0.9  # the newer push stands
+    store.push(delta([(0, 8.0)], seq=8), line=StreamWrite([(0, 8.0)], late.written))
+    assert (loss(store), value(body(store), "trainpatrol_step_total", {"run": "r1", "rank": "0"})) == (1.0, 8.0)
+
+
 def test_refused_pushes_leave_the_record_as_it_was() -> None:
     clock = Clock()
     store = RankStore(clock=clock, bounds=Bounds(max_series=4))
@@ -108,7 +134,7 @@ def test_refused_pushes_leave_the_record_as_it_was() -> None:
     before = body(store)
     line = StreamWrite(None, None)
     assert store.push(snap(loss=9.0, step=4, seq=4), key_digest=b"k1", line=line) == []  # late, reordered
-    assert line.written is None
+    assert line.written is not None and line.written.write.values == ["4.0", "9.0", "0.0"]  # its stream's base
     with pytest.raises(WrongRunKey):
         store.push(snap(loss=8.0, seq=6), key_digest=b"k2")
     with pytest.raises(Refused):  # a new rank would bring the agent to 6 series

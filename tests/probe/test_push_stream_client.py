@@ -1,4 +1,4 @@
-"""The Patrol's side of the push stream: deltas, chunk decoding, fallback, reconnects."""
+"""The Patrol's side of the push stream: deltas, chunk decoding, a refused stream, reconnects."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import time
 from typing import Any
 
+from exposition_check import value
 from servers import agent_in_thread, free_port, wait_for, without_push_stream
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
@@ -111,8 +112,9 @@ def test_publisher_reconnects_to_a_restarted_agent_with_a_whole_line() -> None:
         wait_for(lambda: pub.delivered >= 3, 10, what="pushes to the first agent")
     with agent_in_thread(second.app, port):
         wait_for(lambda: second.store.entries(), 10, what="pushes to the restarted agent")
-        assert len(latest(second).samples) == 4  # a whole snapshot: the new stream started over
+        # a whole snapshot: the new stream started over (a delta without its base would be refused)
+        assert second.store.entries()[0].record.written.samples == 4 and second.stats.pushes["invalid"] == 0
         seen = latest(second).seq
         wait_for(lambda: latest(second).seq > seen + 2, 10, what="deltas on the new stream")
         pub.stop(final_push=True)
-    assert latest(second).samples[1].value == float(latest(second).seq)
+    assert value(second.metrics(), "trainpatrol_step_total", {"run": "r", "rank": "0"}) == float(latest(second).seq)

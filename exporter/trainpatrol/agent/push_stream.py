@@ -207,12 +207,10 @@ class PushStream:
             stream.bases.pop(key, None)
             await self._reply(stream, {"line": number, "status": exc.status, "detail": exc.detail})
             return
-        if write.written is not None:
+        if write.written is not None:  # what the line wrote, or would have had it not come late
             if key not in stream.bases and len(stream.bases) >= MAX_RANKS_PER_STREAM:
                 stream.bases.pop(next(iter(stream.bases)))
             stream.bases[key] = write.written
-        else:  # kept out as a late push: the record is not what this stream's next delta builds on
-            stream.bases.pop(key, None)
         stream.counts["accepted"] += 1
         if commands:
             await self._reply(stream, {"run": snapshot.run, "rank": snapshot.rank, "seq": snapshot.seq,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..collectors.rank_record import RankRecord
+from ..collectors.rank_record import RankRecord, Written
 from ..collectors.ranks import RankRow
 from ..protocol import ActionRecord, Command, RankSnapshot
 from .action_limits import ActionLimits
@@ -31,18 +31,18 @@ class RankEntry:
 
 @dataclass(frozen=True, slots=True)
 class StreamBase:
-    """What a push stream last wrote for a rank: the record's layout and the values array written
-    (never changed afterwards). A single push in between (a Patrol's state change) changes neither."""
+    """What a push stream last wrote for a rank, and the Patrol that sent it: a delta's base. A single
+    push in between (a Patrol's state change), or a line the store kept out as late, changes neither."""
 
-    layout: int
-    values: list[str]
+    write: Written
+    instance: str
 
 
 @dataclass(slots=True)
 class StreamWrite:
     """A push stream's line for the store: its delta pairs (None for a whole snapshot) and what
-    this stream last wrote for the rank. The store sets ``written``; None when it kept the record
-    as it was (a late push)."""
+    this stream last wrote for the rank. The store sets ``written``: what the line wrote, or would
+    have written had it not come late."""
 
     changed: list[tuple[int, float]] | None
     base: StreamBase | None
@@ -108,17 +108,19 @@ class RankStore:
         changed = line.changed if line is not None else None
         with self._lock:
             old = self._ranks.get(key)
-            if line is not None and changed is not None:
-                _check_delta(snap, old, line.base, changed)
+            base = _delta_base(snap, line.base, changed) if line is not None and changed is not None else None
             if not self._keys.admit(run, key_digest, self._ended):
                 raise WrongRunKey(run)
+            written = (base.changed(changed) if base is not None and changed is not None
+                       else Written.of(snap, old.record.written if old is not None else None))
+            if line is not None:
+                line.written = StreamBase(written, snap.instance)
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
-                return []  # a late, reordered push: keep the newer state (``written`` stays None)
-            held = old.record.samples if old is not None else 0
-            pushed = held if changed is not None else len(snap.samples)
-            series = self._series - held + pushed
-            if old is None or pushed > held:
+                return []  # a late, reordered push: keep the newer state
+            held = old.record.written.samples if old is not None else 0
+            series = self._series - held + written.samples
+            if old is None or written.samples > held:
                 self.bounds.admit(snap, old is None, len(self._run_ranks), self._run_ranks.get(run), series)
             if old is None:
                 self._run_ranks[run] = self._run_ranks.get(run, 0) + 1
@@ -126,13 +128,9 @@ class RankStore:
             self._generation += 1
             self._version += 1
             if old is None:
-                record = RankRecord(snap, self._generation)
-            elif changed is not None:
-                (record := old.record).assign(line.base.values, changed, self._generation)  # type: ignore[union-attr]
+                record = RankRecord(written, self._generation)
             else:
-                (record := old.record).replace(snap, self._generation)
-            if line is not None:
-                line.written = StreamBase(record.layout_of, record.values)
+                (record := old.record).write(written, self._generation)
             entry = self._ranks[key] = RankEntry(snap, record, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(run):
@@ -211,7 +209,7 @@ class RankStore:
     def _forget(self, key: tuple[str, str, int], e: RankEntry) -> None:
         del self._ranks[key]
         self._version += 1
-        self._series -= e.record.samples
+        self._series -= e.record.written.samples
         run = (key[0], key[1])
         left = self._run_ranks[run] - 1
         if left:
@@ -252,7 +250,7 @@ class RankStore:
         self.expire()
         now = self._clock()
         with self._lock:
-            return [RankRow(e.record.texts(), e.record.layout.plain, self.is_up(e, now), e.last_push,
+            return [RankRow(e.record.texts(), e.record.written.layout.plain, self.is_up(e, now), e.last_push,
                             e.last_step_advance) for e in (self._ranks[k] for k in sorted(self._ranks))]
 
     def hosts_run(self, run: str, namespace: str = "") -> bool:
@@ -312,18 +310,17 @@ class RankStore:
         }
 
 
-def _check_delta(snap: RankSnapshot, old: RankEntry | None, base: StreamBase | None,
-                 changed: list[tuple[int, float]]) -> None:
-    """A delta applies onto what the same stream wrote last for the rank, from the same Patrol, while
-    the rank's record keeps that layout."""
-    if base is None or old is None or old.record.layout_of != base.layout or old.snapshot.instance != snap.instance:
+def _delta_base(snap: RankSnapshot, base: StreamBase | None, changed: list[tuple[int, float]]) -> Written:
+    """What a delta applies onto: what the same stream last wrote for the rank, from the same Patrol."""
+    if base is None or base.instance != snap.instance:
         raise NeedsWholeSnapshot(f"A delta line needs a whole snapshot of run {snap.run!r} rank {snap.rank} "
                                  "earlier on the same stream; send one.")
-    held = old.record.samples
+    held = base.write.samples
     for index, _ in changed:
         if index >= held:
             raise NeedsWholeSnapshot(f"changed: sample index {index} is outside the {held} samples "
                                      "of the rank's last whole snapshot.")
+    return base.write
 
 
 def _run_state(states: list[str]) -> str:

@@ -2,10 +2,9 @@
 
 The layout (a ``%``-template of each catalogue family's lines, labels escaped) changes only when the
 rank pushes other series. The values are held as the text format writes them (Go's float format),
-formatted once as they arrive rather than at every scrape. Each write replaces the array (a delta
-line's is its stream's last array with the changed slots assigned), and no array is changed once
-written, so a push stream may keep the one it wrote as the base of its next delta. Writing a record
-is one ``%`` over its values.
+formatted once as they arrive rather than at every scrape. Each push makes a ``Written`` (a delta
+line's is its stream's last one with the changed slots assigned) that replaces the record's. Writing
+a record's lines is one ``%`` over its values.
 """
 
 from __future__ import annotations
@@ -80,46 +79,52 @@ class Layout:
         return cls(label_block(base), "\0".join(map("".join, lines)), _getter([i for f in slots for i in f]))
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Written:
+    """What one push wrote for a rank: its series, their layout, and the values as the text format
+    writes them. Never changed once made, so a push stream keeps the one it wrote as the base of its
+    next delta, whatever other pushes of the rank wrote meanwhile."""
+
+    series: Hashable
+    layout: Layout
+    samples: int
+    """How many pushed samples it holds: the indices a delta line may assign."""
+    values: list[str]
+
+    @classmethod
+    def of(cls, snap: RankSnapshot, like: Written | None = None) -> Written:
+        """A whole snapshot, laid out again only where its series differ from ``like``'s."""
+        series = series_key(snap)
+        layout = like.layout if like is not None and like.series == series else Layout.of(snap)
+        return cls(series, layout, len(snap.samples), values_of(snap))
+
+    def changed(self, pairs: Iterable[tuple[int, float]]) -> Written:
+        """A delta line onto this: its (sample index, value) pairs assigned, as a new array; the
+        indices were checked against ``samples``."""
+        values = self.values.copy()
+        for i, value in pairs:
+            values[i] = go_float(value)
+        return Written(self.series, self.layout, self.samples, values)
+
+
 class RankRecord:
-    """A rank's layout and values. Its owner (agent.store) serialises writes and reads."""
+    """A rank's last write, and its lines. Its owner (agent.store) serialises writes and reads."""
 
-    __slots__ = ("_texts", "_texts_of", "generation", "key", "layout", "layout_of", "samples", "values")
+    __slots__ = ("_texts", "_texts_of", "generation", "written")
 
-    def __init__(self, snap: RankSnapshot, generation: int) -> None:
-        self.key: Hashable = None
-        self.layout: Layout
-        self.layout_of = generation
-        """The generation whose push made the layout: deltas apply only onto arrays laid out so."""
-        self.samples = 0
-        """How many pushed samples the record holds: the indices a delta line may assign."""
-        self.values: list[str] = []
-        self.generation = generation
+    def __init__(self, written: Written, generation: int) -> None:
+        self.written, self.generation = written, generation
         self._texts: tuple[str, ...] = ()
         self._texts_of = -1
-        self.replace(snap, generation)
 
-    def replace(self, snap: RankSnapshot, generation: int) -> None:
-        """A whole push: its values, and a new layout only where its series differ."""
-        key = series_key(snap)
-        if key != self.key:
-            self.key, self.layout, self.layout_of = key, Layout.of(snap), generation
-        self.samples = len(snap.samples)
-        self.values = values_of(snap)
-        self.generation = generation
-
-    def assign(self, base: list[str], changed: Iterable[tuple[int, float]], generation: int) -> None:
-        """A delta line: ``base`` (an array of this layout) with its (sample index, value) pairs
-        assigned, as a new array; the indices were checked against ``samples``."""
-        values = base.copy()
-        for i, value in changed:
-            values[i] = go_float(value)
-        self.values = values
-        self.generation = generation
+    def write(self, written: Written, generation: int) -> None:
+        self.written, self.generation = written, generation
 
     def texts(self) -> tuple[str, ...]:
         """Per catalogue family, this rank's lines; written again only after a write to the record."""
         if self._texts_of != self.generation:
-            self._texts = tuple((self.layout.template % self.layout.order(self.values)).split("\0"))
+            layout = self.written.layout
+            self._texts = tuple((layout.template % layout.order(self.written.values)).split("\0"))
             self._texts_of = self.generation
         return self._texts
 
