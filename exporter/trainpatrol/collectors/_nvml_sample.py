@@ -7,12 +7,13 @@ value), ...]`` in base units. ``write_families()`` writes samples in the text fo
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..catalogue import NVML_METRICS, P
-from ..exposition import family
+from ..exposition import exposed, go_float, head, header
 
 Labels = tuple[str, ...]
 Series = dict[str, list[tuple[Labels, float]]]
@@ -231,9 +232,20 @@ def write_families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tupl
     for spec in NVML_METRICS:
         series = rows.get(spec.name[len(P):])
         if series:
-            out.append(family(spec.name, spec.kind, spec.help,
-                              [(dict(zip(spec.all_labels, labels, strict=True)), value) for labels, value in series]))
+            name, names = exposed(spec.name, spec.kind), spec.all_labels
+            out.append(header(spec.name, spec.kind, spec.help))
+            if spec.kind == "info":
+                out += [_head(name, names, labels) + "1.0\n" for labels, _ in series]
+            else:
+                out += [_head(name, names, labels) + go_float(value) + "\n" for labels, value in series]
     return "".join(out)
+
+
+@functools.lru_cache(maxsize=8192)
+def _head(name: str, names: tuple[str, ...], labels: Labels) -> str:
+    """A series' line up to its value: the same GPUs' series come back every sample (bounded: a
+    node's GPUs, their MIG instances and XID codes)."""
+    return head(name, dict(zip(names, labels, strict=True)))
 
 
 def _rows(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> Series:
