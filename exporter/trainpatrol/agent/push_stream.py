@@ -1,9 +1,8 @@
 """``POST /v1/push/stream``: a rank's pushes as one long-lived request, one JSON snapshot per line.
 
 A request per push costs the agent more HTTP handling (parsing, a task, two socket writes) than the
-push itself; at 64 ranks that alone broke the CPU budget (bench/scrape.py, docs/benchmarks.md). On a
-stream a push is one more chunk of a body that is already open, and the agent writes only when it
-has something to say. The answer is NDJSON, streamed:
+push itself (docs/benchmarks.md). On a stream a push is one more chunk of a body that is already
+open, and the agent writes only when it has something to say. The answer is NDJSON, streamed:
 
 - ``{"run", "rank", "seq", "commands": [...]}`` after a snapshot whose run has commands for it;
 - ``{"line", "status", "detail"[, "errors"]}`` for a refused line (422 invalid, 413 too long, 403 a
@@ -71,13 +70,12 @@ class _Stream:
 
 class PushStream:
     """Reads every stream's lines as they arrive and handles them in batches across all streams:
-    one push at a time ran several times slower than the same code warm (caches gone cold between
-    pushes; bench/scrape.py), and a scrape between two batches serves the families of the last one
-    as they are. A batch starts ``batch_seconds`` after its first line, or at once when there are
-    as many lines waiting as open streams: Patrol's ranks push on whole seconds, so the burst of a
-    node is in, and waiting for the timer would only wake the agent once more. A push shows on
-    /metrics, and a rank's commands are answered, within ``batch_seconds`` of its line; lines of
-    one stream keep their order."""
+    one push at a time runs slower than the same code warm (caches gone cold between pushes), and a
+    scrape between two batches serves the body of the last one as it is. A batch starts
+    ``batch_seconds`` after its first line, or at once when there are as many lines waiting as open
+    streams: Patrol's ranks push on whole seconds, so the burst of a node is in, and waiting for the
+    timer would only wake the agent once more. A push shows on /metrics, and a rank's commands are
+    answered, within ``batch_seconds`` of its line; lines of one stream keep their order."""
 
     def __init__(self, *, accept: Accept, stats: AgentStats, max_line: int, idle_seconds: float,
                  batch_seconds: float = 0.25, after_batch: Callable[[], None] = lambda: None,

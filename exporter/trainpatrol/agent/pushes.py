@@ -2,7 +2,7 @@
 
 Every rank pushes about once a second, so both are plain endpoints that take the ``Request``: the
 body is parsed by ``RankSnapshot.model_validate_json`` and the reply written as bytes, without
-FastAPI's body parsing and response models, which cost more CPU than the push itself (bench/scrape.py).
+FastAPI's body parsing and response models, which cost more CPU than the push itself.
 The OpenAPI schema documents their bodies through ``openapi_extra``.
 
 A push is answered in this order: 401 without the token (pushes from other hosts) or with a wrong

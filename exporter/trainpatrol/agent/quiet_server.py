@@ -1,9 +1,8 @@
 """uvicorn's server with a main loop that wakes once a second instead of ten times.
 
-uvicorn's own loop sleeps 0.1 s between checks for a shutdown request. On the development VM a
-wake-up from an idle wait costs far more CPU than the check: an idle agent used 5.6 ms of CPU a
-second with uvicorn's loop and 2.8 ms with this one (docs/benchmarks.md, "Wake-ups"). This loop
-refreshes the Date header once a second, as uvicorn does, and a shutdown signal wakes it at once.
+uvicorn's own loop sleeps 0.1 s between checks for a shutdown request, and a wake-up from an idle
+wait costs far more CPU than the check (docs/benchmarks.md, "Wake-ups"). This loop refreshes the
+Date header once a second, as uvicorn does, and a shutdown signal wakes it at once.
 """
 
 from __future__ import annotations

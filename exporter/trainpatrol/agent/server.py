@@ -64,8 +64,8 @@ def serve(config: AgentConfig) -> None:
     if agent.nvml is not None:
         agent.nvml.start()
     # Every push allocates thousands of short-lived objects, and a full collection over the startup's
-    # own (FastAPI, pydantic schemas, the catalogue) stalled scrapes by tens of ms (bench/scrape.py
-    # p99): keep those out of collections for good, and collect young objects less often.
+    # own (FastAPI, pydantic schemas, the catalogue) stalls scrapes (bench/scrape.py's p99): keep those
+    # out of collections for good, and collect young objects less often.
     gc.freeze()
     gc.set_threshold(10_000, 50, 100)
     log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)

@@ -1,1 +1,2 @@
-"""Prometheus custom collectors, one file each. Every collector yields fresh families per scrape."""
+"""The agent's collectors, one file each: each writes its own exposition text (trainpatrol.exposition)
+and says when it has something new to write (``changed``)."""

@@ -1,8 +1,8 @@
 """Reads the CUDA caching allocator from the cheapest source available.
 
-``torch._C._cuda_memoryStats`` costs about 13 µs on an H200, the public ``memory_stats()`` about
-139 µs because it flattens and sorts the same dict. The raw call is private API, so it is wrapped
-and falls back to the public one.
+``torch._C._cuda_memoryStats`` returns the allocator's dict as it is; the public ``memory_stats()``
+flattens and sorts it, an order of magnitude dearer per call (docs/benchmarks.md). The raw call is
+private API, so it is wrapped and falls back to the public one.
 """
 
 from __future__ import annotations
