@@ -22,12 +22,13 @@ import re
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Body, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -86,6 +87,18 @@ class NoLiveRank(Problem):
 _NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
     404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
     409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
+
+
+class PlainRoute(APIRoute):
+    """A documented route whose endpoint takes no arguments and returns its ``Response``: served
+    without FastAPI's per-request dependency solving, for what Prometheus and probes ask for often."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        endpoint: Callable[[], Coroutine[Any, Any, Response]] = self.endpoint
+
+        async def handler(request: Request) -> Response:
+            return await endpoint()
+        return handler
 
 
 class Agent:
@@ -189,6 +202,8 @@ class Agent:
         app = FastAPI(title="trainpatrol agent", version=__version__, openapi_url="/openapi.json" if docs else None,
                       docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
                       responses=documented(421),
+                      # no OpenTelemetry of its own: its metrics are on /metrics, and the check costs every request
+                      telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
                       description="Serves rank and GPU metrics to Prometheus and carries control actions "
                                   "to training ranks. See docs/runbooks.md.")
         cfg = self.config
@@ -201,15 +216,18 @@ class Agent:
 
         app.add_middleware(BodyLimit, limit=cfg.max_request_bytes,
                            refused=lambda: self.stats.count("refusals", "max_request_bytes"))
-        add_push_routes(app, cfg, self.stats, self.accept_push, self._check_push_body, self._after_batch)
 
-        @app.get("/healthz", summary="Liveness and readiness", response_model=dict[str, Any])
-        async def healthz() -> JSONResponse:
+        async def healthz() -> Response:
             return JSONResponse(self._health())
 
-        @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs", response_class=Response)
         async def metrics() -> Response:
             return Response(self.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+        app.router.add_api_route("/healthz", healthz, methods=["GET"], summary="Liveness and readiness",
+                                 response_model=dict[str, Any], route_class_override=PlainRoute)
+        app.router.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response,
+                                 summary="Prometheus exposition of all ranks and GPUs", route_class_override=PlainRoute)
+        add_push_routes(app, cfg, self.stats, self.accept_push, self._check_push_body, self._after_batch)
 
         @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action",
                  responses=documented(401))

@@ -97,7 +97,8 @@ class BodyLimit:
         self.app, self.limit, self.refused = app, limit, refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUSH_PATHS:
+        # a GET or HEAD route reads no body; the pushes apply the limit themselves, after the token check
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD") and scope["path"] not in PUSH_PATHS:
             try:
                 receive = limited(receive, Headers(scope=scope).get("content-length", "0"), self.limit, self.refused)
             except TooLarge as exc:
