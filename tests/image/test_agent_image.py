@@ -118,7 +118,10 @@ def test_agent_serves_metrics_on_the_published_port(agent: tuple[str, int]) -> N
         # CONTENT_TYPE_LATEST of the locked prometheus-client (0.26.0)
         assert resp.headers["Content-Type"] == "text/plain; version=1.0.0; charset=utf-8"
         body = resp.read().decode()
-    assert "# TYPE trainpatrol_rank_info gauge" in body.splitlines()
+    lines = body.splitlines()  # no rank pushed: the agent's own families, and its collectors' health
+    assert "# TYPE trainpatrol_agent_info gauge" in lines
+    assert 'trainpatrol_collector_success{collector="ranks"} 1.0' in lines
+    assert 'trainpatrol_collector_success{collector="process"} 1.0' in lines
 
 
 def test_agent_process_runs_as_non_root(agent: tuple[str, int], podman: Podman) -> None:
