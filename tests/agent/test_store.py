@@ -113,6 +113,36 @@ def test_a_delta_without_its_base_is_refused_and_changes_nothing(case: str) -> N
     assert line.written is None and body(store) == before
 
 
+def histogram(count: float, total: float) -> dict[str, Any]:
+    """``count`` steps, all in the 25-50 ms bucket, taking ``total`` seconds."""
+    return {"counts": [0.0] * 5 + [count] * 11, "sum": total}
+
+
+def test_a_delta_line_writes_its_histogram_in_place_of_the_bases() -> None:
+    store = RankStore(clock=Clock())
+    first = StreamWrite(None, None)
+    store.push(snap(histogram=histogram(5, 0.2)), line=first)
+    store.push(delta([(1, 0.25)], histogram=histogram(9, 0.36)), line=StreamWrite([(1, 0.25)], first.written))
+    text, labels = body(store), {"run": "r1", "rank": "0"}
+    assert (value(text, "trainpatrol_step_duration_seconds_count", labels),
+            value(text, "trainpatrol_step_duration_seconds_sum", labels),
+            value(text, "trainpatrol_step_duration_seconds_bucket", {**labels, "le": "0.05"}),
+            value(text, "trainpatrol_step_duration_seconds_bucket", {**labels, "le": "0.025"}),
+            value(text, "trainpatrol_loss", labels)) == (9.0, 0.36, 9.0, 0.0, 0.25)
+
+
+@pytest.mark.parametrize("base_has_one", [True, False])
+def test_a_delta_line_that_adds_or_drops_the_histogram_is_refused_and_changes_nothing(base_has_one: bool) -> None:
+    store = RankStore(clock=Clock())
+    first = StreamWrite(None, None)
+    store.push(snap(**({"histogram": histogram(5, 0.2)} if base_has_one else {})), line=first)
+    before = body(store)
+    line = StreamWrite([(1, 0.25)], first.written)
+    with pytest.raises(NeedsWholeSnapshot, match="step histogram needs a whole snapshot of run 'r1' rank 0"):
+        store.push(delta([(1, 0.25)], **({} if base_has_one else {"histogram": histogram(9, 0.36)})), line=line)
+    assert line.written is None and body(store) == before
+
+
 def test_a_stream_line_kept_out_as_late_is_still_the_base_of_that_streams_next_delta() -> None:
     """A state change's single push overtakes a stream line still waiting for its batch: the store
     keeps the newer push, and the stream's next delta names only what moved since the late line."""

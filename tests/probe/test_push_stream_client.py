@@ -6,10 +6,12 @@ import json
 import math
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 from exposition_check import value
-from servers import agent_in_thread, free_port, wait_for, without_push_stream
+from loops import run_scripted, scripted_patrol
+from servers import agent_in_thread, free_port, http_get, wait_for, without_push_stream
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 from trainpatrol.probe.publisher import Publisher
@@ -44,6 +46,16 @@ def test_delta_encoder_sends_whole_then_only_what_changed() -> None:
     assert "samples" in line(enc, samples(1.0, 20.0, 0.0, lr_groups=2))  # new series: whole again
     enc.reset()
     assert "samples" in line(enc, samples(1.0, 20.0, 0.0, lr_groups=2))
+
+
+def test_delta_encoder_sends_a_whole_line_when_the_step_histogram_appears() -> None:
+    enc = DeltaEncoder()
+    histogram = {"counts": [0.0] * 15 + [1.0], "sum": 0.5}
+    assert "samples" in json.loads(enc.encode({"run": "r", "rank": 0, "samples": samples(2.0)}))
+    assert "samples" in json.loads(enc.encode({"run": "r", "rank": 0, "samples": samples(2.0),
+                                               "histogram": histogram}))
+    delta = json.loads(enc.encode({"run": "r", "rank": 0, "samples": samples(2.0), "histogram": histogram}))
+    assert delta["changed"] == [] and delta["histogram"] == histogram
 
 
 def test_dechunker_gives_the_same_bytes_however_the_chunks_are_cut() -> None:
@@ -118,3 +130,30 @@ def test_publisher_reconnects_to_a_restarted_agent_with_a_whole_line() -> None:
         wait_for(lambda: latest(second).seq > seen + 2, 10, what="deltas on the new stream")
         pub.stop(final_push=True)
     assert value(second.metrics(), "trainpatrol_step_total", {"run": "r", "rank": "0"}) == float(latest(second).seq)
+
+
+def test_the_step_time_histogram_on_metrics_follows_every_streamed_line(tmp_path: Path) -> None:
+    """A delta line names the samples that changed and carries the histogram whole: /metrics must show
+    the histogram of the line, not of the stream's first whole snapshot (a frozen count made the
+    loader-wait ratio grow without bound and fire DataLoaderBound on a healthy run)."""
+    agent = Agent(AgentConfig(nvml=False).load())
+    with agent_in_thread(agent.app) as port:
+        patrol = scripted_patrol(tmp_path, f"http://127.0.0.1:{port}", run="h", push_interval_seconds=0.05)
+        labels = {"run": "h", "rank": "0"}
+
+        def on_metrics() -> tuple[float | None, float | None, float | None]:
+            body = http_get(f"http://127.0.0.1:{port}/metrics")
+            return (value(body, "trainpatrol_step_total", labels),
+                    value(body, "trainpatrol_step_duration_seconds_count", labels),
+                    value(body, "trainpatrol_step_duration_seconds_sum", labels))
+        try:
+            sums = []
+            for steps in (5, 12, 30):
+                run_scripted(patrol, [1.0] * (steps - patrol.step_count))
+                seen: list[Any] = []
+                wait_for(lambda: seen.append(on_metrics()) or seen[-1][:2] == (steps, steps), 5,  # noqa: B023
+                         what=f"step_total and the histogram's count at {steps}")
+                sums.append(seen[-1][2])
+            assert agent.stats.pushes["ok"] >= 3 and sums == sorted(sums) and sums[0] < sums[-1]
+        finally:
+            patrol.close()

@@ -111,7 +111,7 @@ class RankStore:
             base = _delta_base(snap, line.base, changed) if line is not None and changed is not None else None
             if not self._keys.admit(run, key_digest, self._ended):
                 raise WrongRunKey(run)
-            written = (base.changed(changed) if base is not None and changed is not None
+            written = (base.changed(changed, snap.histogram) if base is not None and changed is not None
                        else Written.of(snap, old.record.written if old is not None else None))
             if line is not None:
                 line.written = StreamBase(written, snap.instance)
@@ -316,6 +316,10 @@ def _delta_base(snap: RankSnapshot, base: StreamBase | None, changed: list[tuple
         raise NeedsWholeSnapshot(f"A delta line needs a whole snapshot of run {snap.run!r} rank {snap.rank} "
                                  "earlier on the same stream; send one.")
     held = base.write.samples
+    if (snap.histogram is not None) != base.write.has_histogram:
+        raise NeedsWholeSnapshot(f"A delta line {'with' if snap.histogram else 'without'} a step histogram needs a "
+                                 f"whole snapshot of run {snap.run!r} rank {snap.rank} first: the last one "
+                                 f"{'had none' if snap.histogram else 'had one'}; send one.")
     for index, _ in changed:
         if index >= held:
             raise NeedsWholeSnapshot(f"changed: sample index {index} is outside the {held} samples "

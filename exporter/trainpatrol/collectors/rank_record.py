@@ -15,7 +15,7 @@ from operator import itemgetter
 
 from ..catalogue import RANK_METRICS, STEP_DURATION_BUCKETS
 from ..exposition import go_float, go_floats, head, label_block
-from ..protocol import RankSnapshot
+from ..protocol import Histogram, RankSnapshot
 
 WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
 """The training process's own Kubernetes identity, on every series of its rank when it has one."""
@@ -40,11 +40,15 @@ def series_key(snap: RankSnapshot) -> Hashable:
 
 def values_of(snap: RankSnapshot) -> list[str]:
     """The samples' values, then the step histogram's bucket counts, count and sum, as written."""
-    values = [float(s.value) for s in snap.samples]
-    if snap.histogram is not None:
-        counts = snap.histogram.counts
-        values += [*map(float, counts), float(counts[-1]), float(snap.histogram.sum)]
-    return go_floats(values)
+    return go_floats([float(s.value) for s in snap.samples]) + histogram_values(snap.histogram)
+
+
+def histogram_values(histogram: Histogram | None) -> list[str]:
+    """The step histogram's bucket counts, count and sum, as written; none without one."""
+    if histogram is None:
+        return []
+    counts = histogram.counts
+    return go_floats([*map(float, counts), float(counts[-1]), float(histogram.sum)])
 
 
 @dataclass(frozen=True)
@@ -98,13 +102,18 @@ class Written:
         layout = like.layout if like is not None and like.series == series else Layout.of(snap)
         return cls(series, layout, len(snap.samples), values_of(snap))
 
-    def changed(self, pairs: Iterable[tuple[int, float]]) -> Written:
-        """A delta line onto this: its (sample index, value) pairs assigned, as a new array; the
-        indices were checked against ``samples``."""
-        values = self.values.copy()
+    @property
+    def has_histogram(self) -> bool:
+        return len(self.values) > self.samples
+
+    def changed(self, pairs: Iterable[tuple[int, float]], histogram: Histogram | None) -> Written:
+        """A delta line onto this: its (sample index, value) pairs assigned and its histogram, which
+        travels whole, in place of this one's, as a new array. The indices were checked against
+        ``samples``, and that the line has a histogram where this has one."""
+        values = self.values[:self.samples]
         for i, value in pairs:
             values[i] = go_float(value)
-        return Written(self.series, self.layout, self.samples, values)
+        return Written(self.series, self.layout, self.samples, values + histogram_values(histogram))
 
 
 class RankRecord:

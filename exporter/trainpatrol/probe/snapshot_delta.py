@@ -1,8 +1,9 @@
 """Turns a rank's successive snapshots into push-stream lines, whole or as deltas.
 
 The first line on a stream is the whole snapshot. Later ones name only the sample values that
-changed (protocol.SnapshotDelta), as long as the samples are the same series in the same order;
-otherwise the line is whole again. ``reset`` after a new stream or a refused line.
+changed (protocol.SnapshotDelta), as long as the samples are the same series in the same order and
+the step histogram is there on both or on neither (it travels whole on every line); otherwise the
+line is whole again. ``reset`` after a new stream or a refused line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..protocol import same_value
 
 class DeltaEncoder:
     def __init__(self) -> None:
-        self._series: list[tuple[str, dict[str, str]]] | None = None
+        self._series: tuple[list[tuple[str, dict[str, str]]], bool] | None = None
         self._values: list[float] = []
 
     def reset(self) -> None:
@@ -24,7 +25,7 @@ class DeltaEncoder:
     def encode(self, snapshot: dict[str, Any]) -> bytes:
         """One NDJSON line (with its newline) for ``snapshot``, a ``RankSnapshot`` as a dict."""
         samples = snapshot.get("samples", [])
-        series = [(s["name"], s["labels"]) for s in samples]
+        series = ([(s["name"], s["labels"]) for s in samples], snapshot.get("histogram") is not None)
         values = [s["value"] for s in samples]
         if series != self._series:
             line = snapshot
