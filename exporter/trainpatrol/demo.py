@@ -254,8 +254,8 @@ def _run_with_stack(args: argparse.Namespace) -> int:
         print(f"[demo] --stack: agent         {stack.agent_url}  (webhook {stack.agent_url}/v1/alertmanager, "
               f"bearer token in {stack.token_file})", flush=True)
         print(f"[demo] --stack: rules: the shipped rules of the FAST profile ({stack.rules_file}, {len(loaded)} "
-              "alerting rules loaded): the same thresholds with short windows and `for: 0s`, scraped and evaluated "
-              "every 1 s, so you see an alert act within seconds. Production uses rules.yml "
+              "alerting rules loaded): the same thresholds with short windows and `for:` of seconds, scraped and "
+              "evaluated every 1 s, so you see an alert act within seconds. Production uses rules.yml "
               "(`trainpatrol export rules DIR`), whose alerts wait minutes.", flush=True)
         print(f"[demo] --stack: injecting {inject}{STACK_NOTES.get(fault, '.')}", flush=True)
         rc = _train(args, inject, stack.agent_url, token=stack.token, token_file=str(stack.token_file),

@@ -400,6 +400,38 @@ def test_fast_profile_fires_within_seconds_at_1s_intervals(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# The demo's validation loss every 25 steps (about 1 s) on its noisy regression: a healthy run whose
+# fixed 512-sample validation set swings up to 2.7 % above its best for a second at a time.
+DEMO_VALIDATION = "1.2144 1.2413 1.1878 1.1541 1.1867 1.1732 1.185 1.1628 1.1684 1.1664 1.1615 1.172 1.1686 1.1711"
+OVERFITTING = " ".join(f"{1.15 + 0.005 * i:.3f}" for i in range(40))  # 0.5 % more every second, 40 s
+
+
+@needs_promtool
+@pytest.mark.parametrize(("validation", "fires_at"), [(DEMO_VALIDATION, None), (OVERFITTING, "30s")],
+                         ids=["one-noisy-evaluation-stays-quiet", "a-sustained-rise-fires"])
+def test_fast_profile_val_loss_diverging_needs_a_sustained_rise(tmp_path: Path, validation: str,
+                                                                 fires_at: str | None) -> None:
+    """The demo's healthy run must not be told it over-fits: the fast profile keeps "stayed above", shortened."""
+    (tmp_path / "fast.yml").write_text(_generate("--profile", "fast").stdout)
+    rank = 'job="trainpatrol",instance="127.0.0.1:9400",run="e2e",rank="0"'
+    falling = " ".join(f"{1.3 - 0.004 * i:.3f}" for i in range(40))  # the training loss keeps falling
+    alert = 'ALERTS{alertname="TrainPatrolValLossDiverging",alertstate="firing"}'
+    quiet = "".join(f"      - expr: {alert}\n        eval_time: {t}s\n        exp_samples: []\n"
+                    for t in range(1, 40, 2) if fires_at is None or t < 25)
+    firing = "" if fires_at is None else (
+        f"      - expr: {alert}\n"
+        f"        eval_time: {fires_at}\n        exp_samples:\n"
+        "          - labels: 'ALERTS{alertname=\"TrainPatrolValLossDiverging\",alertstate=\"firing\","
+        "job=\"trainpatrol\",run=\"e2e\",severity=\"warning\",action=\"checkpoint\"}'\n            value: 1\n")
+    (tmp_path / "val.test.yml").write_text(
+        "rule_files: [fast.yml]\nevaluation_interval: 1s\ntests:\n  - interval: 1s\n    input_series:\n"
+        f"      - series: 'trainpatrol_validation_loss{{{rank}}}'\n        values: '{validation}'\n"
+        f"      - series: 'trainpatrol_loss_window_mean{{{rank}}}'\n        values: '{falling}'\n"
+        f"    promql_expr_test:\n{quiet}{firing}")
+    result = _run(str(PROMTOOL), "test", "rules", "val.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @needs_promtool
 def test_fast_profile_rank_stalled_stays_silent_after_a_stop_and_a_sigkill_and_fires_on_a_hang(
         tmp_path: Path) -> None:
