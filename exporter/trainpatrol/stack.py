@@ -1,11 +1,11 @@
 """A local alert loop for ``trainpatrol demo --stack``: agent, Prometheus and Alertmanager on 127.0.0.1.
 
-Prometheus scrapes the agent every second and evaluates the shipped rules of the *fast* profile (the
-same thresholds, short windows, ``for: 0s`` but where a condition must last; ``rules-fast.yml`` of the
-package), so an alert fires within seconds. Alertmanager routes as the shipped ``alertmanager.yml``
-does, pointed at the agent's webhook, with a bearer token generated for this run and kept in a private credentials file; the agent is started
-with the same token. Every process binds loopback only (Alertmanager's cluster listener is off),
-storage lives in a private temporary directory, and everything is stopped and removed on exit.
+Prometheus scrapes the agent every second and evaluates the shipped rules of the *fast* profile (the same
+thresholds, short windows, ``for: 0s`` but where a condition must last; ``rules-fast.yml`` of the package),
+so an alert fires within seconds. Alertmanager routes as the shipped ``alertmanager.yml`` does, pointed at
+the agent's webhook, with a bearer token generated for this run and kept in a private credentials file; the
+agent is started with the same token. Every process binds loopback only (Alertmanager's cluster listener is
+off), storage lives in a private temporary directory, and everything is stopped and removed on exit.
 Configs and logs stay under ``<workdir>/stack/`` for inspection; every path in a config is absolute, since
 Prometheus resolves a relative ``rule_files`` entry against the config's folder, and ``promtool check config``
 and ``amtool check-config`` pass each config before its server starts.
