@@ -108,3 +108,21 @@ def test_changed_says_yes_after_a_push_and_after_the_ttl_and_no_in_between() -> 
     assert collector.changed()
     assert 'trainpatrol_rank_up{rank="0",run="r1"} 0.0\n' in collector.write().decode()
     assert not collector.changed()
+
+
+def test_one_collector_writes_each_ranks_latest_push_and_step_times_scrape_after_scrape() -> None:
+    clock = Clock()
+    store = RankStore(clock=clock)
+    collector = RankCollector(store)
+    store.push(snap(0, step=7))
+    store.push(snap(1, step=7))
+    collector.write()
+    clock.now = T0 + 2.5
+    store.push(snap(0, step=8))
+    store.push(snap(1, step=7))  # pushed again, but no step since
+    body = collector.write().decode()
+    stamps = [ln for ln in body.splitlines() if ln.startswith("trainpatrol_rank_last_")]
+    assert stamps == ['trainpatrol_rank_last_push_timestamp_seconds{rank="0",run="r1"} 1.70000000275e+09',
+                      'trainpatrol_rank_last_push_timestamp_seconds{rank="1",run="r1"} 1.70000000275e+09',
+                      'trainpatrol_rank_last_step_timestamp_seconds{rank="0",run="r1"} 1.70000000275e+09',
+                      'trainpatrol_rank_last_step_timestamp_seconds{rank="1",run="r1"} 1.70000000025e+09']

@@ -15,8 +15,10 @@ from ..exposition import go_float, header
 
 _HEADERS = tuple(header(m.name, m.kind, m.help) for m in RANK_METRICS)
 _LIVENESS = tuple(m for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_"))
-assert [m.name for m in _LIVENESS] == ["trainpatrol_rank_up", "trainpatrol_rank_last_push_timestamp_seconds",
-                                       "trainpatrol_rank_last_step_timestamp_seconds"]  # RankCollector.write
+_UP, _PUSH, _STEP = (m.name for m in _LIVENESS)
+assert (_UP, _PUSH, _STEP) == ("trainpatrol_rank_up", "trainpatrol_rank_last_push_timestamp_seconds",
+                               "trainpatrol_rank_last_step_timestamp_seconds")
+_UP_HEADER, _PUSH_HEADER, _STEP_HEADER = (header(m.name, m.kind, m.help) for m in _LIVENESS)
 
 
 class RankRow(NamedTuple):
@@ -47,6 +49,9 @@ class RankCollector:
     def __init__(self, source: RankSource) -> None:
         self._source = source
         self._written: tuple[int, tuple[bool, ...]] | None = None
+        self._stamps: dict[str, tuple[float, float, str, str]] = {}
+        """Per rank (its label block): the two timestamps last written and their lines. A scrape
+        finds most ranks' unchanged since the last one, and formatting a timestamp is not cheap."""
 
     def changed(self) -> bool:
         return self._source.state() != self._written
@@ -55,17 +60,21 @@ class RankCollector:
         state = self._source.state()
         rows = self._source.rows()
         out: list[str] = []
-        for j, head in enumerate(_HEADERS):
-            lines = "".join([row.texts[j] for row in rows])
-            if lines:
-                out += (head, lines)
+        for head, lines in zip(_HEADERS, zip(*[row.texts for row in rows], strict=True), strict=False):
+            if any(lines):
+                out.append(head)
+                out += lines
         if rows:
-            up, push, step = (m.name for m in _LIVENESS)
-            out += (header(up, "gauge", _LIVENESS[0].help),
-                    *[f"{up}{{{r.plain}}} {'1.0' if r.up else '0.0'}\n" for r in rows],
-                    header(push, "gauge", _LIVENESS[1].help),
-                    *[f"{push}{{{r.plain}}} {go_float(r.last_push)}\n" for r in rows],
-                    header(step, "gauge", _LIVENESS[2].help),
-                    *[f"{step}{{{r.plain}}} {go_float(r.last_step_advance)}\n" for r in rows])
+            stamps = [self._stamp_lines(r) for r in rows]
+            out += (_UP_HEADER, *[f"{_UP}{{{r.plain}}} {'1.0' if r.up else '0.0'}\n" for r in rows],
+                    _PUSH_HEADER, *[s[2] for s in stamps], _STEP_HEADER, *[s[3] for s in stamps])
+        self._stamps = {r.plain: s for r, s in zip(rows, stamps, strict=True)} if rows else {}
         self._written = state
         return "".join(out).encode()
+
+    def _stamp_lines(self, row: RankRow) -> tuple[float, float, str, str]:
+        known = self._stamps.get(row.plain)
+        if known is not None and known[0] == row.last_push and known[1] == row.last_step_advance:
+            return known
+        return (row.last_push, row.last_step_advance, f"{_PUSH}{{{row.plain}}} {go_float(row.last_push)}\n",
+                f"{_STEP}{{{row.plain}}} {go_float(row.last_step_advance)}\n")
