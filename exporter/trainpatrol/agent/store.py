@@ -95,6 +95,8 @@ class RankStore:
         """Writes and expiries so far: what /metrics has to write again for."""
         self._next_expiry = float("inf")
         """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
+        self._up_flags: tuple[int, tuple[bool, ...], float] = (-1, (), float("-inf"))
+        """``state``'s last answer: the version, the up flags, and until when the flags hold."""
 
     # --- pushes -------------------------------------------------------------------------------
     def push(self, snap: RankSnapshot, key_digest: bytes = b"", line: StreamWrite | None = None) -> list[Command]:
@@ -238,11 +240,19 @@ class RankStore:
     # --- for /metrics (collectors.ranks.RankSource) -----------------------------------------------
     def state(self) -> tuple[int, tuple[bool, ...]]:
         """Writes and expiries so far, and ``is_up`` of each rank in order: the rank lines change
-        with these alone (up flips with the clock, without any push)."""
+        with these alone (up flips with the clock, without any push). Asked at every scrape, so the
+        flags are worked out again only after a write or once the first up rank's TTL has passed."""
         self.expire()
         now = self._clock()
         with self._lock:
-            return self._version, tuple([self.is_up(self._ranks[k], now) for k in sorted(self._ranks)])
+            version, ups, until = self._up_flags
+            if version != self._version or now > until:
+                entries = [self._ranks[k] for k in sorted(self._ranks)]
+                ups = tuple([self.is_up(e, now) for e in entries])
+                until = min([e.last_push + self.rank_up_ttl for e, up in zip(entries, ups, strict=True) if up],
+                            default=float("inf"))
+                self._up_flags = version, ups, until = self._version, ups, until
+            return version, ups
 
     def rows(self) -> list[RankRow]:
         """Every rank's lines, sorted by (namespace, run, rank); written under the lock, which
