@@ -64,11 +64,11 @@ class RankCollector:
             if any(lines):
                 out.append(head)
                 out += lines
+        stamps = [self._stamp_lines(r) for r in rows]
         if rows:
-            stamps = [self._stamp_lines(r) for r in rows]
             out += (_UP_HEADER, *[f"{_UP}{{{r.plain}}} {'1.0' if r.up else '0.0'}\n" for r in rows],
                     _PUSH_HEADER, *[s[2] for s in stamps], _STEP_HEADER, *[s[3] for s in stamps])
-        self._stamps = {r.plain: s for r, s in zip(rows, stamps, strict=True)} if rows else {}
+        self._stamps = {r.plain: s for r, s in zip(rows, stamps, strict=True)}
         self._written = state
         return "".join(out).encode()
 
