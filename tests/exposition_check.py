@@ -1,6 +1,5 @@
-"""Checks of a /metrics body against the reference implementations: prometheus_client's
-``generate_latest`` (byte for byte) and ``promtool check metrics``. Test-only: the product writes
-with trainpatrol.exposition and never goes through prometheus_client."""
+"""Checks of a /metrics body: ``promtool check metrics`` and prometheus_client's parsers, in the text
+format and in OpenMetrics; and the text a collector gives, as the agent's /metrics writes it."""
 
 from __future__ import annotations
 
@@ -10,6 +9,8 @@ from typing import Any
 
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from servers import PROMTOOL
@@ -23,6 +24,43 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self._families
+
+
+def text(collector: Any) -> bytes:
+    """What a collector gives, in the text format, as /metrics writes it (collectors.registry)."""
+    return generate_latest(collector)  # type: ignore[no-any-return]
+
+
+class Watched:
+    """A collector as the agent's registry sees it: ``changed()`` says whether its version moved since
+    it was last collected."""
+
+    def __init__(self, collector: Any) -> None:
+        self.collector = collector
+        self._seen: Any = object()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.collector, name)
+
+    def changed(self) -> bool:
+        return bool(self.collector.version() != self._seen)
+
+    def collect(self) -> Any:
+        self._seen = self.collector.version()
+        return self.collector.collect()
+
+
+def openmetrics_text(collector: Any) -> bytes:
+    """What a collector gives, in OpenMetrics."""
+    return openmetrics.generate_latest(collector)  # type: ignore[no-any-return]
+
+
+def assert_openmetrics_clean(body: bytes) -> None:
+    """``body`` parses as OpenMetrics with prometheus_client's strict parser. (promtool 2.42's ``check
+    metrics`` lints the text format only: it reads an OpenMetrics counter's family name, without
+    ``_total``, as a metric with no samples; a real Prometheus ingests the format in the integration tests.)"""
+    assert body.endswith(b"# EOF\n")
+    list(openmetrics_families(body.decode()))  # raises on anything invalid
 
 
 def reference(body: bytes) -> bytes:
@@ -76,13 +114,13 @@ def value(body: bytes, name: str, labels: dict[str, str] | None = None) -> float
 
 
 class Scraped:
-    """A /metrics body source (collectors.health.CollectorSet), read as tests read a registry."""
+    """A /metrics body source (collectors.registry.Registry), read as tests read a registry."""
 
     def __init__(self, source: Any) -> None:
         self.source = source
 
     def body(self) -> bytes:
-        body: bytes = self.source.body()
+        body: bytes = self.source.body().data
         return body
 
     def get_sample_value(self, name: str, labels: dict[str, str] | None = None) -> float | None:

@@ -58,7 +58,7 @@ def counter(agent: Agent, family: str, **labels: str) -> float:
     """One sample of the agent's /metrics, 0 when absent."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    for fam in text_string_to_metric_families(agent.metrics().decode()):
+    for fam in text_string_to_metric_families(agent.registry.body().data.decode()):
         for s in fam.samples:
             if s.name == family and s.labels == labels:
                 return s.value

@@ -218,7 +218,3 @@ def alert_loop(tmp: Path, rules: Path, token_file: Path, group_interval: str = "
             yield agent_url, prom_url, am_url
 
 
-def without_push_stream(agent: Any) -> Any:
-    """``agent``'s app as an agent from before ``/v1/push/stream`` answers it: 404, as FastAPI does."""
-    agent.api.router.routes[:] = [r for r in agent.api.router.routes if getattr(r, "path", "") != "/v1/push/stream"]
-    return agent.app

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from trainpatrol.protocol import RankSnapshot, SnapshotDelta, same_value, valid_run
+from trainpatrol.protocol import RankSnapshot, valid_run
 
 LOSS = {"name": "trainpatrol_loss", "value": 1.5}
 
@@ -59,16 +59,3 @@ def test_the_step_histogram_is_cumulative_with_a_count_per_bound() -> None:
                                                                  "sum": 1.0}))
     assert refusal(RankSnapshot, push(histogram={"counts": [1.0, 2.0], "sum": 1.0})).endswith(
         "cumulative counts, got 2.")
-
-
-def test_a_delta_line_names_changed_values_and_carries_no_samples() -> None:
-    delta = SnapshotDelta.model_validate_json(json.dumps(push(changed=[[0, 2.5], [3, -0.0]])))
-    assert delta.changed == [(0, 2.5), (3, -0.0)] and delta.samples == []
-    assert refusal(SnapshotDelta, push(changed=[[0, 2.5]], samples=[LOSS])) == (
-        "Value error, A delta line carries `changed`, not `samples`.")
-    assert "greater than or equal to 0" in refusal(SnapshotDelta, push(changed=[[-1, 2.5]]))
-
-
-def test_a_value_is_the_same_only_when_it_prints_the_same() -> None:
-    assert same_value(1.0, 1.0) and same_value(0.0, 0.0)
-    assert not same_value(0.0, -0.0) and not same_value(float("nan"), float("nan"))

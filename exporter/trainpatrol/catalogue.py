@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from prometheus_client.metrics_core import Metric as Family
+
 Kind = Literal["gauge", "counter", "histogram", "info"]
 Source = Literal["rank", "agent", "nvml"]
 
@@ -35,6 +37,12 @@ class Metric:
     def all_labels(self) -> tuple[str, ...]:
         base = {"rank": RANK_LABELS, "nvml": GPU_LABELS, "agent": ()}[self.source]
         return base + self.labels
+
+    def family(self) -> Family:
+        """An empty prometheus_client family of this metric; its samples are named as exposed
+        (a counter's end in ``_total``, an info's in ``_info``)."""
+        suffix = {"counter": "_total", "info": "_info"}.get(self.kind, "")
+        return Family(self.name.removesuffix(suffix) if suffix else self.name, self.help, self.kind)
 
 
 def _r(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
@@ -112,7 +120,7 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "rank_up", "gauge", "", "1 while the rank pushed within the liveness TTL.", "run", "rank"),
     _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
     _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),
-    _a(P + "pushes_total", "counter", "", "Push requests (and push stream lines) received, by outcome: ok, invalid, unauthorized (agent token), wrong_namespace (a namespace token of another namespace), wrong_run_key (the run is bound to another key), too_large, refused (over a bound).", "outcome"),
+    _a(P + "pushes_total", "counter", "", "Push requests received, by outcome: ok, invalid, unauthorized (agent token), wrong_namespace (a namespace token of another namespace), wrong_run_key (the run is bound to another key), too_large, refused (over a bound).", "outcome"),
     _a(P + "webhook_alerts_total", "counter", "", "Alerts received on the Alertmanager webhook, by outcome.", "outcome"),
     _a(P + "control_commands_total", "counter", "", "Control commands queued for ranks, by action and source.", "action", "source"),
     _a(P + "control_commands_refused_total", "counter", "", "Control commands not queued, by action and reason: coalesced (a command of the same action waits already), rate_limited (the run's actions of that kind per minute are used up).", "action", "reason"),
@@ -120,12 +128,12 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "refused_requests_total", "counter", "",
        "Requests, connections and pushes refused at the edge or over a bound, by reason (docs/security.md).",
        "reason"),
-    _a("process_resident_memory_bytes", "gauge", "bytes", "Resident memory size of the agent process in bytes."),
-    _a("process_virtual_memory_bytes", "gauge", "bytes", "Virtual memory size of the agent process in bytes."),
-    _a("process_cpu_seconds_total", "counter", "seconds", "Total user and system CPU time of the agent process in seconds."),
-    _a("process_open_fds", "gauge", "", "Number of open file descriptors of the agent process."),
-    _a("process_max_fds", "gauge", "", "Maximum number of open file descriptors of the agent process (soft limit)."),
-    _a("process_start_time_seconds", "gauge", "seconds", "Start time of the agent process since unix epoch in seconds."),
+    _a("process_resident_memory_bytes", "gauge", "bytes", "Resident memory size in bytes."),
+    _a("process_virtual_memory_bytes", "gauge", "bytes", "Virtual memory size in bytes."),
+    _a("process_cpu_seconds_total", "counter", "seconds", "Total user and system CPU time spent in seconds."),
+    _a("process_open_fds", "gauge", "", "Number of open file descriptors."),
+    _a("process_max_fds", "gauge", "", "Maximum number of open file descriptors."),
+    _a("process_start_time_seconds", "gauge", "seconds", "Start time of the process since unix epoch in seconds."),
 )
 
 NVML_METRICS: tuple[Metric, ...] = (

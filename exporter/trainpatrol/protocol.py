@@ -8,7 +8,6 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass, field
-from math import copysign
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -49,12 +48,6 @@ JOB_ID = r"^[A-Za-z0-9_.:/@+=-]{0,253}$"
 RankState = Literal["running", "pausing", "paused", "stopping", "stopped", "closed"]
 _LABELS = {m.name: frozenset(m.labels) for m in RANK_METRICS if m.kind != "histogram"}
 """Each pushable rank metric's own label names (the histogram travels apart)."""
-
-
-def same_value(a: float, b: float) -> bool:
-    """Equal and of the same sign (-0.0 prints apart from 0.0): a value needs neither sending nor
-    formatting again. NaN is never the same."""
-    return a == b and (a != 0.0 or copysign(1.0, a) == copysign(1.0, b))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,24 +146,6 @@ class RankSnapshot(BaseModel):
     def _rank_in_world(self) -> RankSnapshot:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}.")
-        return self
-
-
-class SnapshotDelta(RankSnapshot):
-    """A line of a push stream (agent.push_stream): a whole snapshot, or, with ``changed``, one
-    that names only the sample values that changed since the same rank's last line on that stream.
-    Every other field travels whole. Most of a rank's samples (info, settings, guard and action
-    counters) do not move from one push to the next, and each sample costs the agent validation
-    and formatting."""
-
-    changed: list[tuple[Annotated[int, Field(ge=0)], float]] | None = Field(default=None, max_length=4096)
-    """(index into the samples of the rank's last whole snapshot, new value); None for a whole
-    snapshot. The agent assigns these into the rank's record (agent.store)."""
-
-    @model_validator(mode="after")
-    def _delta_or_whole(self) -> SnapshotDelta:
-        if self.changed is not None and self.samples:
-            raise ValueError("A delta line carries `changed`, not `samples`.")
         return self
 
 

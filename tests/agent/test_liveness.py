@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from exposition_check import assert_as_generate_latest, assert_clean
+from exposition_check import Watched, assert_as_generate_latest, assert_clean, text
 from exposition_check import value as sample_value
 from fake_clock import T0, Clock
 from loops import scripted_patrol
@@ -25,9 +25,9 @@ from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 from trainpatrol.agent.stats import AgentStats
 from trainpatrol.agent.store import RankStore
-from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.nvml import NvmlCollector
 from trainpatrol.collectors.ranks import RankCollector
+from trainpatrol.collectors.registry import Registry
 from trainpatrol.protocol import RankSnapshot
 
 UP_TTL, EXPIRE, CLOSED_EXPIRE = 15.0, 600.0, 60.0
@@ -48,7 +48,7 @@ def liveness(registry: RankCollector, run: str = "r1", rank: int = 0) -> tuple[f
     """(up, last push, last step advance, step_total) of one rank, None where the series is absent."""
     labels = {"run": run, "rank": str(rank)}
     names = ("rank_up", "rank_last_push_timestamp_seconds", "rank_last_step_timestamp_seconds", "step_total")
-    body = registry.write()
+    body = text(registry)
     return tuple(sample_value(body, f"trainpatrol_{name}", labels) for name in names)
 
 
@@ -100,7 +100,7 @@ def test_closed_run_is_removed_after_closed_expire() -> None:
     clock.now = T0 + CLOSED_EXPIRE + 0.001
     for rank in (0, 1):
         assert liveness(registry, "done", rank) == (None, None, None, None)
-    assert b'run="done"' not in registry.write()
+    assert b'run="done"' not in text(registry)
     assert set(store.runs()) == {"live"} and not store.hosts_run("done")
     assert liveness(registry, "live", 0) == (0.0, T0, T0, 1.0)  # only down: it has not vanished yet
 
@@ -113,7 +113,7 @@ def test_vanished_run_is_removed_after_rank_expire() -> None:
     assert liveness(registry, "gone") == (0.0, T0, T0, 2.0)
     clock.now = T0 + EXPIRE + 0.001
     assert liveness(registry, "gone") == (None, None, None, None)
-    assert [ln for ln in registry.write().decode().splitlines() if not ln.startswith("#")] == []
+    assert [ln for ln in text(registry).decode().splitlines() if not ln.startswith("#")] == []
     assert store.runs() == {}
 
 
@@ -144,7 +144,7 @@ def test_the_body_of_ranks_gpus_and_counts_is_what_generate_latest_writes() -> N
     nvml.sample_once()  # rates need two samples
     stats = AgentStats("agent")
     stats.count("pushes", "ok")
-    collectors = CollectorSet({"ranks": RankCollector(store), "nvml": nvml, "agent": stats})
+    collectors = Registry({"ranks": RankCollector(store), "nvml": nvml, "agent": stats})
     odd = 'quote " backslash \\ done'  # a newline is refused at the push (protocol.printable)
     for rank in range(3):
         store.push(snap("r1", rank % 2, step=rank, host=odd, samples=[
@@ -156,7 +156,7 @@ def test_the_body_of_ranks_gpus_and_counts_is_what_generate_latest_writes() -> N
                 "torch_version": "2", "cuda_version": "13", "trainpatrol_version": "0",
                     "launcher": "", "launcher_job": ""}, "value": 1.0}],
             histogram={"counts": [float(i) for i in range(len(_bounds()) + 1)], "sum": 2.5}))
-    first = collectors.body()
+    first = collectors.body().data
     assert_clean(first)
     assert b'host="quote \\" backslash \\\\ done"' in first
     assert b"trainpatrol_step_total{rank=\"1\",run=\"r1\"} 1e+21" in first
@@ -216,12 +216,12 @@ def test_capture_dumps_every_threads_stack(tmp_path: Path) -> None:
 def test_an_expired_rank_leaves_the_body(state: str) -> None:
     clock = Clock()
     store = RankStore(UP_TTL, EXPIRE, CLOSED_EXPIRE, clock=clock)
-    collector = RankCollector(store)
+    collector = Watched(RankCollector(store))
     store.push(snap("x", 0, step=1, state=state))
-    assert b'trainpatrol_step_total{rank="0",run="x"} 1.0\n' in collector.write()
+    assert b'trainpatrol_step_total{rank="0",run="x"} 1.0\n' in text(collector)
     clock.now = T0 + EXPIRE + 1
     assert collector.changed()
-    assert collector.write() == b""
+    assert text(collector) == b""
 
 
 def test_a_run_whose_ranks_all_stopped_pushing_is_down() -> None:

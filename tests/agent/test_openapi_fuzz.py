@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import Case, GenerationMode
-from schemathesis.checks import negative_data_rejection, positive_data_acceptance
+from schemathesis.checks import positive_data_acceptance
 from schemathesis.config import SchemathesisConfig
 
 from trainpatrol.agent.app import Agent
@@ -75,15 +75,9 @@ def test_openapi_fuzz_no_5xx_and_schema_conformance(with_token: bool) -> None:
             @given(case=op.as_strategy(mode))
             def fuzz(case: Case) -> None:  # type: ignore[type-arg]
                 sent[case.operation.label] += 1
-                streamed = case.operation.path == "/v1/push/stream"
-                # a stream answers 200 before it reads a line, then refuses bad lines in its answer
-                excluded = [positive_data_acceptance, *([negative_data_rejection] if streamed else [])]
-                response = case.call_and_validate(headers=headers, excluded_checks=excluded)
+                response = case.call_and_validate(headers=headers, excluded_checks=[positive_data_acceptance])
                 statuses[response.status_code] += 1
                 assert response.status_code < 500, (case.operation.label, response.status_code, response.text)
-                if streamed and response.status_code == 200 and mode is GenerationMode.NEGATIVE:  # noqa: B023 - runs at once
-                    summary = json.loads(response.content.splitlines()[-1])
-                    assert summary == {"accepted": 0, "refused": 1}, (case.body, response.text)
 
             try:
                 fuzz()

@@ -11,7 +11,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exposition_check import assert_clean
+from exposition_check import Watched, assert_clean, text
 from servers import agent, http_get
 from trainpatrol.collectors.process_self import ProcessMetrics
 
@@ -46,19 +46,19 @@ def test_the_agent_serves_its_own_process_metrics_with_plausible_values(tmp_path
     assert got["process_start_time_seconds"] == pytest.approx(started, abs=2.0)
 
 
-def test_process_families_are_read_once_a_second_and_written_as_generate_latest_writes_them() -> None:
+def test_process_families_are_read_once_a_second_as_prometheus_client_names_them() -> None:
     now = [100.0]
-    collector = ProcessMetrics(clock=lambda: now[0])
+    collector = Watched(ProcessMetrics(clock=lambda: now[0]))
     assert collector.changed()
-    first = collector.write()
+    first = text(collector)
     now[0] += 0.999
     assert not collector.changed()  # within the second: /proc is not read again
     now[0] += 0.001
     assert collector.changed()
-    later = collector.write()
+    later = text(collector)
     assert [f.name for f in text_string_to_metric_families(later.decode())] == [
-        "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds",
-        "process_open_fds", "process_max_fds", "process_start_time_seconds"]
+        "process_virtual_memory_bytes", "process_resident_memory_bytes", "process_start_time_seconds",
+        "process_cpu_seconds", "process_open_fds", "process_max_fds"]
     assert b"# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total " in later
     assert first.split(b"process_start_time_seconds ")[1] == later.split(b"process_start_time_seconds ")[1]
     assert_clean(later)

@@ -32,12 +32,11 @@ def test_the_schema_documents_the_push_and_scrape_routes_with_their_content_type
         op = paths[path][method]
         return sorted(op.get("requestBody", {}).get("content", {})), sorted(op["responses"])
 
-    assert summary("/v1/push/stream", "post") == (["application/x-ndjson"], ["200", "401", "421", "422"])
+    assert "/v1/push/stream" not in paths
     assert summary("/v1/push", "post") == (["application/json"],
                                            ["200", "400", "401", "403", "413", "421", "422", "429"])
     assert summary("/metrics", "get") == ([], ["200", "421"])
     assert summary("/healthz", "get") == ([], ["200", "421"])
-    assert list(paths["/v1/push/stream"]["post"]["responses"]["200"]["content"]) == ["application/x-ndjson"]
     body = paths["/v1/push"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["run", "rank"] and body["additionalProperties"] is False
 
@@ -55,47 +54,37 @@ def test_every_route_in_the_schema_is_served() -> None:
             extra: dict[str, Any] = {} if content is None else {
                 "content": b"{}\n", "headers": {**AUTH, "Content-Type": content}}
             served[f"{method.upper()} {path}"] = client.request(method, url, **{"headers": AUTH, **extra}).status_code
-    assert len(served) == 12 and all(status not in (404, 405) for status in served.values()), served
-    assert served["POST /v1/push/stream"] == 200 and served["GET /metrics"] == 200
-    assert served["POST /v1/push"] == 422 and agent.stats.pushes["invalid"] == 2.0  # and the stream's line
+    assert len(served) == 11 and all(status not in (404, 405) for status in served.values()), served
+    assert served["GET /metrics"] == 200
+    assert served["POST /v1/push"] == 422 and agent.stats.pushes["invalid"] == 1.0
 
 
-def test_a_wrong_token_gets_the_same_401_on_the_stream_and_the_single_push() -> None:
+def test_a_wrong_token_gets_a_401_on_a_push() -> None:
     agent, client, _ = documented_agent()
-    wrong = {"Authorization": "Bearer nope"}
-    single = client.post("/v1/push", json={"run": "r1", "rank": 0}, headers=wrong)
-    stream = client.post("/v1/push/stream", content=b'{"run": "r1", "rank": 0}\n',
-                         headers={**wrong, "Content-Type": "application/x-ndjson"})
-    for answer in (single, stream):
-        assert (answer.status_code, answer.json(), answer.headers["www-authenticate"]) == (401, PUSH_REFUSED, "Bearer")
-    assert agent.stats.pushes["unauthorized"] == 2.0 and agent.store.entries() == ()
+    answer = client.post("/v1/push", json={"run": "r1", "rank": 0}, headers={"Authorization": "Bearer nope"})
+    assert (answer.status_code, answer.json(), answer.headers["www-authenticate"]) == (401, PUSH_REFUSED, "Bearer")
+    assert agent.stats.pushes["unauthorized"] == 1.0 and agent.store.entries() == ()
 
 
 def test_a_wrong_token_is_answered_before_the_body_is_sent() -> None:
     agent = Agent(AgentConfig(token=TOKEN, nvml=False).load())
-    with agent_in_thread(agent.app) as port:
-        for path in ("/v1/push", "/v1/push/stream"):
-            with socket.create_connection(("127.0.0.1", port), timeout=5.0) as s:
-                s.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n"
-                          "Content-Type: application/json\r\nContent-Length: 200000\r\n\r\n".encode())
-                head, _, rest = s.recv(65536).partition(b"\r\n\r\n")
-                assert head.startswith(b"HTTP/1.1 401 "), head
-                assert json.loads(rest) == PUSH_REFUSED
+    with agent_in_thread(agent.app) as port, socket.create_connection(("127.0.0.1", port), timeout=5.0) as s:
+        s.sendall(b"POST /v1/push HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 200000\r\n\r\n")
+        head, _, rest = s.recv(65536).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401 "), head
+        assert json.loads(rest) == PUSH_REFUSED
 
 
 def test_a_422_names_the_first_error_lists_all_under_body_and_shortens_what_it_echoes() -> None:
-    """The single push, a line of the stream and a control route word a validation error alike."""
+    """A push and a control route word a validation error alike."""
     _, client, _ = documented_agent()
     long_host = "h" * 300
     push = {"run": "r1", "rank": 0, "host": long_host}
-    single = client.post("/v1/push", json=push, headers=AUTH).json()
-    line = client.post("/v1/push/stream", content=json.dumps(push).encode() + b"\n",
-                       headers={**AUTH, "Content-Type": "application/x-ndjson"}).content.splitlines()[0]
-    streamed = json.loads(line)
+    answer = client.post("/v1/push", json=push, headers=AUTH).json()
     shortened = "h" * 256 + "... (300 characters)"
-    for answer in (single, streamed):
-        assert answer["detail"] == "Invalid request: body.host: String should have at most 253 characters"
-        assert [(e["loc"], e["input"]) for e in answer["errors"]] == [(["body", "host"], shortened)]
+    assert answer["detail"] == "Invalid request: body.host: String should have at most 253 characters"
+    assert [(e["loc"], e["input"]) for e in answer["errors"]] == [(["body", "host"], shortened)]
     action = client.post("/v1/runs/r1/actions", json={"action": "pause", "reason": "r" * 2000, "extra": 1},
                          headers=AUTH).json()
     assert [e["loc"] for e in action["errors"]] == [["body", "reason"], ["body", "extra"]]

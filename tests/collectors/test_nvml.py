@@ -13,14 +13,15 @@ from typing import Any
 
 import pynvml
 import pytest
+from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from exposition_check import Scraped
+from exposition_check import Scraped, Watched, text
 from nvml_fake.fake import FakeNvml, MigInstance
 from trainpatrol.catalogue import NVML_METRICS
 from trainpatrol.collectors import _nvml_sample as ns
-from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.nvml import NvmlCollector, NvmlUnavailable
+from trainpatrol.collectors.registry import Registry
 
 UUID0 = "GPU-eec3c3a2-b837-766e-24b3-24b131d2d7d2"  # the real H200's uuid
 T0 = 1_700_000_000.0
@@ -47,7 +48,7 @@ def setup(gpus: int = 1, **kwargs: Any) -> tuple[FakeNvml, NvmlCollector, Scrape
     fake = FakeNvml.from_fixture(gpus=gpus)
     kwargs.setdefault("clock", Clock())
     collector = NvmlCollector(fake, interval_seconds=0.01, **kwargs)
-    registry = Scraped(CollectorSet({"nvml": collector}))
+    registry = Scraped(Registry({"nvml": collector}))
     return fake, collector, registry
 
 
@@ -228,14 +229,13 @@ def test_missing_driver_reports_failure_and_scrape_still_works(caplog: pytest.Lo
     collector = NvmlCollector(fake, interval_seconds=0.01, clock=Clock())
 
     class Other:
-        def changed(self) -> bool:
-            return True
+        def version(self) -> int:
+            return 0
 
-        def write(self) -> bytes:
-            return (b"# HELP trainpatrol_other Another collector.\n# TYPE trainpatrol_other gauge\n"
-                    b"trainpatrol_other 1.0\n")
+        def collect(self) -> list[GaugeMetricFamily]:
+            return [GaugeMetricFamily("trainpatrol_other", "Another collector.", value=1.0)]
 
-    reg = Scraped(CollectorSet({"nvml": collector, "other": Other()}))
+    reg = Scraped(Registry({"nvml": collector, "other": Other()}))
     caplog.set_level(logging.WARNING, logger="trainpatrol.collectors.nvml")
     for _ in range(3):
         collector.sample_once()
@@ -252,7 +252,7 @@ def test_missing_driver_reports_failure_and_scrape_still_works(caplog: pytest.Lo
 
 def test_real_pynvml_without_gpu_never_raises() -> None:
     collector = NvmlCollector(interval_seconds=0.01)  # the real pynvml, loaded lazily
-    reg = Scraped(CollectorSet({"nvml": collector}))
+    reg = Scraped(Registry({"nvml": collector}))
     collector.sample_once()
     expected = 0.0 if collector.snapshot()["error"] else 1.0  # 0 on a machine without an NVIDIA driver
     assert success(reg) == expected
@@ -503,20 +503,21 @@ def test_slow_interval_zero_reads_everything_every_sample() -> None:
 
 def test_the_collector_has_news_after_a_sample_an_xid_and_once_its_sample_goes_stale() -> None:
     clock = Clock()
-    fake, collector, _ = setup(gpus=2, clock=clock)
+    fake, nvml, _ = setup(gpus=2, clock=clock)
+    collector = Watched(nvml)
     collector.sample_once()
     assert collector.changed()
-    first = collector.write()
+    first = text(collector)
     assert b'trainpatrol_gpu_power_watts{gpu="1",' in first
     assert not collector.changed()  # nothing new between two samples: the scrape reuses the last text
     fake.set_value(1, "nvmlDeviceGetPowerUsage", 431_250)  # milliwatts
     collector.sample_once()
-    assert collector.changed() and b"} 431.25\n" in collector.write()
+    assert collector.changed() and b"} 431.25\n" in text(collector)
     collector._record_xid(fake.nvmlDeviceGetHandleByIndex(1), 79)
-    assert collector.changed() and b'trainpatrol_gpu_xid_errors_total{gpu="1",' in collector.write()
+    assert collector.changed() and b'trainpatrol_gpu_xid_errors_total{gpu="1",' in text(collector)
     assert not collector.changed()
     clock.now += collector.stale_after_seconds + 1  # no sample since: the clock alone makes it news
     assert collector.changed()
     with pytest.raises(NvmlUnavailable, match="old"):
-        collector.write()
+        text(collector)
     assert not collector.changed()

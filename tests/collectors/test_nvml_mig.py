@@ -13,8 +13,8 @@ from nvml_fake.fake import FakeNvml, MigInstance
 from servers import agent_in_thread, http_json, prometheus, query, wait_for
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
-from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.nvml import NvmlCollector
+from trainpatrol.collectors.registry import Registry
 
 GIB = 1 << 30
 SLICES = (MigInstance(gpu_instance=9, compute_instance=0, profile="1g.18gb", total_bytes=16 * GIB, used_bytes=3 * GIB),
@@ -30,7 +30,7 @@ def mig_gpu() -> tuple[FakeNvml, NvmlCollector]:
 
 def test_each_mig_instance_has_its_uuid_profile_and_memory(caplog: pytest.LogCaptureFixture) -> None:
     fake, collector = mig_gpu()
-    registry = Scraped(CollectorSet({"nvml": collector}))
+    registry = Scraped(Registry({"nvml": collector}))
     with caplog.at_level(logging.DEBUG, logger="trainpatrol"):
         collector.sample_once()
     parent = {"gpu": "1", "uuid": fake.nvmlDeviceGetUUID(fake.nvmlDeviceGetHandleByIndex(1))}

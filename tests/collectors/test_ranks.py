@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from exposition_check import assert_clean
+from exposition_check import Watched, assert_clean, text
 from fake_clock import T0, Clock
 from trainpatrol.agent.store import RankStore
 from trainpatrol.catalogue import STEP_DURATION_BUCKETS
@@ -31,7 +31,7 @@ def snap(rank: int = 1, **extra: Any) -> RankSnapshot:
 def test_a_rank_with_workload_labels_a_histogram_and_an_info_is_written_exactly() -> None:
     store = RankStore(clock=Clock())
     store.push(snap(**POD))
-    body = RankCollector(store).write()
+    body = text(RankCollector(store))
     w = 'container="trainer",namespace="team-a",node="gpu-12",pod="w-1",rank="1",run="r1"'
     buckets = "".join(f'trainpatrol_step_duration_seconds_bucket{{container="trainer",le="{le}",namespace="team-a",'
                       f'node="gpu-12",pod="w-1",rank="1",run="r1"}} {float(min(i, 5))}\n'
@@ -72,7 +72,7 @@ def test_ranks_are_written_in_order_within_each_family() -> None:
     store = RankStore(clock=Clock())
     for rank, run, ns in ((1, "r1", ""), (0, "r2", ""), (0, "r1", "team-b"), (0, "r1", "")):
         store.push(snap(rank, run=run, namespace=ns, world_size=2))
-    lines = [ln for ln in RankCollector(store).write().decode().splitlines() if ln.startswith("trainpatrol_loss{")]
+    lines = [ln for ln in text(RankCollector(store)).decode().splitlines() if ln.startswith("trainpatrol_loss{")]
     assert lines == ['trainpatrol_loss{rank="0",run="r1"} 1.5', 'trainpatrol_loss{rank="1",run="r1"} 1.5',
                      'trainpatrol_loss{rank="0",run="r2"} 1.5',
                      'trainpatrol_loss{namespace="team-b",rank="0",run="r1"} 1.5']
@@ -84,29 +84,29 @@ def test_values_go_does_not_write_as_python_does_and_a_zero_of_either_sign() -> 
                                 {"name": "trainpatrol_grad_norm", "value": float("inf")},
                                 {"name": "trainpatrol_amp_loss_scale", "value": -0.0},
                                 {"name": "trainpatrol_step_total", "value": 1.5e16}]))
-    body = RankCollector(store).write().decode()
+    body = text(RankCollector(store)).decode()
     assert [ln.rsplit(" ", 1)[1] for ln in body.splitlines() if ln.startswith(("trainpatrol_loss{",
             "trainpatrol_grad_norm{", "trainpatrol_amp_loss_scale{", "trainpatrol_step_total{"))] == [
         "1.5e+16", "NaN", "+Inf", "-0.0"]
     store.push(snap(0, samples=[{"name": "trainpatrol_amp_loss_scale", "value": 0.0}]))
-    assert 'trainpatrol_amp_loss_scale{rank="0",run="r1"} 0.0\n' in RankCollector(store).write().decode()
+    assert 'trainpatrol_amp_loss_scale{rank="0",run="r1"} 0.0\n' in text(RankCollector(store)).decode()
 
 
 def test_changed_says_yes_after_a_push_and_after_the_ttl_and_no_in_between() -> None:
     clock = Clock()
     store = RankStore(rank_up_ttl=15.0, clock=clock)
-    collector = RankCollector(store)
+    collector = Watched(RankCollector(store))
     assert collector.changed()
-    collector.write()
+    text(collector)
     assert not collector.changed()
     store.push(snap(0))
     assert collector.changed()
-    collector.write()
+    text(collector)
     clock.now = T0 + 15.0
     assert not collector.changed()
     clock.now = T0 + 15.001
     assert collector.changed()
-    assert 'trainpatrol_rank_up{rank="0",run="r1"} 0.0\n' in collector.write().decode()
+    assert 'trainpatrol_rank_up{rank="0",run="r1"} 0.0\n' in text(collector).decode()
     assert not collector.changed()
 
 
@@ -116,11 +116,11 @@ def test_one_collector_writes_each_ranks_latest_push_and_step_times_scrape_after
     collector = RankCollector(store)
     store.push(snap(0, step=7))
     store.push(snap(1, step=7))
-    collector.write()
+    text(collector)
     clock.now = T0 + 2.5
     store.push(snap(0, step=8))
     store.push(snap(1, step=7))  # pushed again, but no step since
-    body = collector.write().decode()
+    body = text(collector).decode()
     stamps = [ln for ln in body.splitlines() if ln.startswith("trainpatrol_rank_last_")]
     assert stamps == ['trainpatrol_rank_last_push_timestamp_seconds{rank="0",run="r1"} 1.70000000275e+09',
                       'trainpatrol_rank_last_push_timestamp_seconds{rank="1",run="r1"} 1.70000000275e+09',

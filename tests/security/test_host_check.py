@@ -28,7 +28,6 @@ def test_a_rebound_page_cannot_stop_a_run_or_read_a_no_token_loopback_agent() ->
         routes = [("GET", "/v1/runs", None), ("GET", "/v1/runs/r1", None), ("GET", "/v1/alerts", None),
                   ("GET", "/metrics", None), ("GET", "/healthz", None),
                   ("POST", "/v1/push", json.dumps(snapshot(rank=1)).encode()),
-                  ("POST", "/v1/push/stream", json.dumps(snapshot(rank=1)).encode() + b"\n"),
                   ("POST", "/v1/alertmanager", json.dumps(payload(alert(action="stop"))).encode())]
         for method, path, body in routes:
             assert raw(port, method, path, FOREIGN, body)[0] == 421, path

@@ -22,34 +22,30 @@ import re
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Body, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from .._version import __version__
-from ..collectors.health import CollectorSet
 from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
-from ..exposition import Collector
+from ..collectors.registry import Collector, Registry
 from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, RankSnapshot, valid_run
 from .alerts import Deduper, WebhookPayload
 from .auth import PushProof, require_control
-from .bounds import Bounds, Refused
+from .bounds import Bounds, PushRefused, Refused
 from .config import AgentConfig
 from .edge import Edge, HostCheck
 from .problems import BodyLimit, Problem, documented, invalid
-from .push_stream import PushRefused
-from .pushes import add_push_routes
+from .pushes import add_push_route
 from .refusals import no_live_rank, rate_limited
 from .router import FORWARDED_HEADER, Router
 from .stats import AgentStats
-from .store import Enqueued, RankStore, StreamWrite, WrongRunKey
+from .store import Enqueued, RankStore, WrongRunKey
 from .webhook import Webhooks
 
 log = logging.getLogger(__name__)
@@ -89,18 +85,6 @@ _NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
     409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
 
 
-class PlainRoute(APIRoute):
-    """A documented route whose endpoint takes no arguments and returns its ``Response``: served
-    without FastAPI's per-request dependency solving, for what Prometheus and probes ask for often."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        endpoint: Callable[[], Coroutine[Any, Any, Response]] = self.endpoint
-
-        async def handler(request: Request) -> Response:
-            return await endpoint()
-        return handler
-
-
 class Agent:
     """Wires the store, collectors and router together. ``app`` is the ASGI application: the Host
     check and token gate (agent.edge) in front of ``api``, the FastAPI application that serves every route."""
@@ -118,43 +102,27 @@ class Agent:
                                             "process": ProcessMetrics()}
         if nvml is not None:
             collectors["nvml"] = nvml
-        self.collectors = CollectorSet(collectors)
+        self.registry = Registry(collectors)
         self.dedupe = Deduper(config.webhook_dedupe_size)
         self.router = Router(config, lambda outcome: self.stats.count("forwarded", outcome))
         self.alert_log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
         self.webhooks = Webhooks(config, self.store, self.enqueue, self.router, self.dedupe, self.alert_log,
                                  lambda outcome: self.stats.count("alerts", outcome), clock)
         self.api = self._build()
-        self._scraped = False
-        """A scrape came since the last batch of stream lines."""
         self.last_push = time.monotonic()
         """When a rank last pushed (or the agent started): scrapes and API calls do not keep an idle agent up."""
         self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
 
-    def metrics(self) -> bytes:
-        """The /metrics body."""
-        self._scraped = True
-        return self.collectors.body()
-
-    def _after_batch(self) -> None:
-        """Writes the body right after a batch of stream lines, before a scrape waits for it, when
-        scrapes come about as often as batches (a scrape came since the last one). With scrapes
-        seconds apart, the next scrape does it."""
-        if self._scraped:
-            self._scraped = False
-            self.collectors.body()
-
-    def accept_push(self, snapshot: RankSnapshot, line: StreamWrite | None, proof: PushProof) -> list[Command]:
-        """Store a valid push that ``proof`` allows; returns the commands for its reply. ``line``:
-        what a push stream knows of it (a delta's pairs, its base; agent.store). Raises ``PushRefused``
-        (403) for a namespace the token does not reach, or a run bound to another key, ``Refused``
-        for a push over a bound, counted here, and ``NeedsWholeSnapshot`` for a delta without its base."""
+    def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]:
+        """Store a valid push that ``proof`` allows; returns the commands for its reply. Raises
+        ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key,
+        and ``Refused`` for a push over a bound, counted here."""
         if not proof.scope.allows(snapshot.namespace):
             self.stats.count("pushes", "wrong_namespace")
             raise PushRefused(f"The token does not reach namespace {snapshot.namespace!r}.")
         try:
-            self.bounds.check_snapshot(snapshot)  # a delta's samples are its base's, checked with it
-            commands = self.store.push(snapshot, proof.key, line)
+            self.bounds.check_snapshot(snapshot)
+            commands = self.store.push(snapshot, proof.key)
         except WrongRunKey as exc:
             self.stats.count("pushes", "wrong_run_key")
             raise PushRefused(str(exc)) from None
@@ -217,17 +185,19 @@ class Agent:
         app.add_middleware(BodyLimit, limit=cfg.max_request_bytes,
                            refused=lambda: self.stats.count("refusals", "max_request_bytes"))
 
-        async def healthz() -> Response:
-            return JSONResponse(self._health())
+        @app.get("/healthz", summary="Liveness and readiness", response_model=dict[str, Any])
+        async def healthz() -> dict[str, Any]:
+            return self._health()
 
-        async def metrics() -> Response:
-            return Response(self.metrics(), media_type=CONTENT_TYPE_LATEST)
+        @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs", response_class=Response)
+        def metrics(request: Request) -> Response:
+            # the text format, or OpenMetrics when the scraper asks for it (Prometheus does); gzip when accepted
+            body = self.registry.body(request.headers.get("accept", ""), request.headers.get("accept-encoding", ""))
+            headers = {"Content-Encoding": "gzip", "Vary": "Accept, Accept-Encoding"} if body.gzipped else \
+                {"Vary": "Accept, Accept-Encoding"}
+            return Response(body.data, media_type=body.content_type, headers=headers)
 
-        app.router.add_api_route("/healthz", healthz, methods=["GET"], summary="Liveness and readiness",
-                                 response_model=dict[str, Any], route_class_override=PlainRoute)
-        app.router.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response,
-                                 summary="Prometheus exposition of all ranks and GPUs", route_class_override=PlainRoute)
-        add_push_routes(app, cfg, self.stats, self.accept_push, self._check_push_body, self._after_batch)
+        add_push_route(app, cfg, self.stats, self.accept_push, self._check_push_body)
 
         @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action",
                  responses=documented(401))

@@ -23,6 +23,13 @@ class Refused(Exception):
         self.status, self.reason, self.detail = status, reason, detail
 
 
+class PushRefused(Refused):
+    """A valid push its proof does not allow (403): a run bound to another key, a namespace out of the token's reach."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(403, "run_key", detail)
+
+
 def _setting(name: str) -> str:
     return f"{name}, TRAINPATROL_{name.upper()}"
 

@@ -87,7 +87,7 @@ class AgentConfig:
     alert_log_size: int = 200
     webhook_dedupe_size: int = 10000
     max_push_bytes: int = 262_144
-    """A push or stream line: a whole snapshot of 1024 samples fits; a Patrol's is about 7 KB. Parsing a
+    """A push: a whole snapshot of 1024 samples fits; a Patrol's is about 7 KB. Parsing a
     body blocks the event loop for its size (a 0.9 MB one about 40 ms), so this bound also bounds that."""
     max_request_bytes: int = 1_000_000
     """Any other request body: the webhook (a group of hundreds of alerts) and the control API."""
@@ -97,8 +97,6 @@ class AgentConfig:
     body_timeout_seconds: float = 10.0
     max_header_bytes: int = 65_536
     keep_alive_seconds: float = 5.0
-    stream_idle_seconds: float = 60.0
-    """A push stream with no byte for this long is let go; a Patrol writes about once a second."""
     log_level: str = "info"
     exit_when_idle_seconds: float = 0.0
     """Exit when no rank has pushed for this long (0: never). An embedded agent runs detached from the
@@ -117,7 +115,7 @@ class AgentConfig:
         for name in ("max_runs", "max_ranks_per_run", "max_series", "max_samples_per_push", "max_label_length",
                      "max_queued_commands", "alert_log_size", "webhook_dedupe_size", "max_push_bytes",
                      "max_request_bytes", "max_connections", "max_header_bytes", "header_timeout_seconds",
-                     "body_timeout_seconds", "keep_alive_seconds", "stream_idle_seconds"):
+                     "body_timeout_seconds", "keep_alive_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"Config '{name}' has value {getattr(self, name)!r}. Expected a positive number.")
         unknown = [a for a in self.allowed_actions if a not in ACTIONS]

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-PUSH_PATHS = frozenset({"/v1/push", "/v1/push/stream"})
+PUSH_PATHS = frozenset({"/v1/push"})
 ECHO_CHARS = 256
 """How much of a refused input an answer echoes: a hostile half-megabyte field would otherwise be
 written back whole, and encoding it blocked the agent for longer than the refusal itself."""

@@ -1,15 +1,15 @@
-"""The push routes: ``POST /v1/push`` (one snapshot) and ``POST /v1/push/stream`` (agent.push_stream).
+"""The push route: ``POST /v1/push``, a rank's whole snapshot about once a second, on a kept-alive
+connection; the reply carries the commands waiting for the rank.
 
-Every rank pushes about once a second, so both are plain endpoints that take the ``Request``: the
-body is parsed by ``RankSnapshot.model_validate_json`` and the reply written as bytes, without
-FastAPI's body parsing and response models, which cost more CPU than the push itself.
-The OpenAPI schema documents their bodies through ``openapi_extra``.
+The endpoint takes the ``Request``: the body is parsed by ``RankSnapshot.model_validate_json`` and the
+reply written as bytes, without FastAPI's body parsing and response models, which cost more CPU
+than the push itself. The OpenAPI schema documents the body through ``openapi_extra``.
 
 A push is answered in this order: 401 without the token (pushes from other hosts) or with a wrong
 one, before the body is read, so a wrong token costs no body (agent.auth.push_proof); 422 for another
 Content-Type; 413 over ``max_push_bytes``; 413 for more samples than the bound, before parsing; 422
 invalid; 403 for a run bound to another key or a namespace the token does not reach; 413/422/429
-over a bound (agent.bounds). The stream answers the first two alike, then refuses line by line.
+over a bound (agent.bounds).
 
 Counts ``trainpatrol_pushes_total{outcome}`` (ok, invalid, unauthorized, wrong_namespace, wrong_run_key,
 too_large, refused).
@@ -23,49 +23,46 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-from starlette.types import Receive, Scope, Send
 
-from ..protocol import PushReply, RankSnapshot
+from ..protocol import Command, PushReply, RankSnapshot
 from .auth import PushProof, push_proof
 from .bounds import Refused
 from .config import AgentConfig
 from .problems import documented, invalid, read_body
-from .push_stream import Accept, PushStream
 from .stats import AgentStats
 
-JSON, NDJSON = "application/json", "application/x-ndjson"
+JSON = "application/json"
 _EMPTY_REPLY = PushReply().model_dump_json().encode()
+Accept = Callable[[RankSnapshot, PushProof], list[Command]]
+"""Takes a valid snapshot in with what its request proved; returns the commands for the rank, or raises ``Refused``."""
 
 
-def add_push_routes(app: FastAPI, config: AgentConfig, stats: AgentStats, accept: Accept,
-                    check_body: Callable[[bytes], None], after_batch: Callable[[], None]) -> None:
+def add_push_route(app: FastAPI, config: AgentConfig, stats: AgentStats, accept: Accept,
+                   check_body: Callable[[bytes], None]) -> None:
     """``check_body`` raises ``Refused`` for a body over a bound before it is parsed (agent.bounds)."""
     limit = config.max_push_bytes
-    stream = PushStream(accept=accept, stats=stats, max_line=limit, idle_seconds=config.stream_idle_seconds,
-                        after_batch=after_batch, check_line=check_body)
 
-    def proof(request: Request, *content_types: str) -> PushProof:
+    def proof(request: Request) -> PushProof:
         try:
             proven = push_proof(request, config)
         except HTTPException:
             stats.count("pushes", "unauthorized")
             raise
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if content_type not in content_types:
+        if content_type != JSON:
             stats.count("pushes", "invalid")
-            raise HTTPException(422, f"Invalid request: body: Content-Type must be {' or '.join(content_types)}, "
-                                     f"not {content_type!r}.")
+            raise HTTPException(422, f"Invalid request: body: Content-Type must be {JSON}, not {content_type!r}.")
         return proven
 
     @app.post("/v1/push", summary="One rank's snapshot", response_model=PushReply,
                  responses=documented(400, 401, 403, 413, 422, 429), openapi_extra=_body(JSON))
     async def push(request: Request) -> Response:
-        proven = proof(request, JSON)
+        proven = proof(request)
         body = await read_body(request, limit, lambda: stats.count("pushes", "too_large"))
         try:
             check_body(body)
             snapshot = RankSnapshot.model_validate_json(body)
-            commands = accept(snapshot, None, proven)
+            commands = accept(snapshot, proven)
         except ValidationError as exc:
             stats.count("pushes", "invalid")
             return JSONResponse(invalid(exc.errors(include_url=False), ("body",)), status_code=422)
@@ -74,31 +71,9 @@ def add_push_routes(app: FastAPI, config: AgentConfig, stats: AgentStats, accept
         reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
         return Response(reply, media_type=JSON)
 
-    @app.post("/v1/push/stream", summary="A rank's pushes on one kept-open request: a snapshot or delta "
-                                            "per NDJSON line",
-                 description="Answers 200 at once, then streams NDJSON: a line with the commands for a rank "
-                             "after its snapshot, a line per refused input line, and a summary when the body "
-                             "ends. See agent/push_stream.py.",
-                 response_class=Response, openapi_extra=_body(NDJSON),
-                 responses={200: {"description": "Streamed NDJSON answer",
-                                  "content": {NDJSON: {"schema": {"type": "object"}}}}, **documented(401, 422)})
-    async def push_stream(request: Request) -> Response:
-        return _Streamed(stream, proof(request, NDJSON, JSON))
-
-
-class _Streamed(Response):
-    """The stream's answer, which ``PushStream`` writes while the request body is still coming in."""
-
-    def __init__(self, stream: PushStream, proof: PushProof) -> None:
-        super().__init__()
-        self.stream, self.proof = stream, proof
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.stream.serve(receive, send, self.proof)
-
 
 def _body(content_type: str) -> dict[str, Any]:
-    """The request body of a push route, for OpenAPI: a RankSnapshot (a line of the stream)."""
+    """The request body of the push route, for OpenAPI: a RankSnapshot."""
     return {"requestBody": {"required": True, "content": {content_type: {"schema": _inlined(RankSnapshot)}}}}
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import socket
 import threading
 from collections import Counter
+from collections.abc import Hashable, Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, InfoMetricFamily, Metric
 
 from .._version import __version__
 from ..catalogue import BY_NAME
-from ..exposition import family
 
 _COUNTERS = (("trainpatrol_pushes_total", "pushes", ("outcome",)),
              ("trainpatrol_webhook_alerts_total", "alerts", ("outcome",)),
@@ -26,7 +28,7 @@ _COUNTERS = (("trainpatrol_pushes_total", "pushes", ("outcome",)),
 
 
 class AgentStats:
-    """Thread-safe counts; a collector (exposition.Collector) that writes them when one moved."""
+    """Thread-safe counts, and a collector of them (collectors.registry)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -41,26 +43,23 @@ class AgentStats:
         self.refusals: Counter[str] = Counter({"host": 0, "unauthorized": 0})
         """Requests, connections and pushes refused at the edge or over a bound, by reason (docs/security.md)."""
         self._counts = 0
-        self._written: tuple[int, str] | None = None
 
     def count(self, counter: str, key: str | tuple[str, str]) -> None:
         with self._lock:
             getattr(self, counter)[key] += 1
             self._counts += 1
 
-    def changed(self) -> bool:
-        return (self._counts, socket.gethostname()) != self._written
+    def version(self) -> Hashable:
+        return self._counts, socket.gethostname()
 
-    def write(self) -> bytes:
-        host = socket.gethostname()
+    def collect(self) -> Iterator[Metric]:
         with self._lock:
-            written = (self._counts, host)
             counts = [sorted(getattr(self, attr).items()) for _, attr, _ in _COUNTERS]
-        out = [family("trainpatrol_agent_info", "info", BY_NAME["trainpatrol_agent_info"].help,
-                      [({"version": __version__, "host": host, "mode": self.mode}, 1.0)])]
+        info = InfoMetricFamily("trainpatrol_agent", BY_NAME["trainpatrol_agent_info"].help)
+        info.add_metric([], {"host": socket.gethostname(), "mode": self.mode, "version": __version__})
+        yield info
         for (name, _, labels), items in zip(_COUNTERS, counts, strict=True):
-            rows = [(dict(zip(labels, key if isinstance(key, tuple) else (key,), strict=True)), float(n))
-                    for key, n in items]
-            out.append(family(name, "counter", BY_NAME[name].help, rows))
-        self._written = written
-        return "".join(out).encode()
+            family = CounterMetricFamily(name, BY_NAME[name].help, labels=labels)
+            for key, n in items:
+                family.add_metric(key if isinstance(key, tuple) else (key,), float(n))
+            yield family

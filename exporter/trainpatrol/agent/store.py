@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..collectors.rank_record import RankRecord, Written
 from ..collectors.ranks import RankRow
 from ..protocol import ActionRecord, Command, RankSnapshot
 from .action_limits import ActionLimits
@@ -23,34 +22,9 @@ ENDED_STATES = ("closed", "stopped")
 @dataclass
 class RankEntry:
     snapshot: RankSnapshot
-    """The rank's last push; its series' values are in ``record`` (a delta line carries none)."""
-    record: RankRecord
+    """The rank's last push."""
     last_push: float
     last_step_advance: float
-
-
-@dataclass(frozen=True, slots=True)
-class StreamBase:
-    """What a push stream last wrote for a rank, and the Patrol that sent it: a delta's base. A single
-    push in between (a Patrol's state change), or a line the store kept out as late, changes neither."""
-
-    write: Written
-    instance: str
-
-
-@dataclass(slots=True)
-class StreamWrite:
-    """A push stream's line for the store: its delta pairs (None for a whole snapshot) and what
-    this stream last wrote for the rank. The store sets ``written``: what the line wrote, or would
-    have written had it not come late."""
-
-    changed: list[tuple[int, float]] | None
-    base: StreamBase | None
-    written: StreamBase | None = None
-
-
-class NeedsWholeSnapshot(ValueError):
-    """A delta line that has no base to apply onto, or that reaches outside it (422)."""
 
 
 Enqueued = Literal["queued", "duplicate", "coalesced", "rate_limited"]
@@ -89,8 +63,6 @@ class RankStore:
         self._run_ranks: dict[RunId, int] = {}
         """Ranks held per run, and below the samples held over all ranks: what the bounds are checked against."""
         self._series = 0
-        self._generation = 0
-        """Writes to records so far: a record's generation names the write that made its values."""
         self._version = 0
         """Writes and expiries so far: what /metrics has to write again for."""
         self._next_expiry = float("inf")
@@ -99,41 +71,29 @@ class RankStore:
         """``state``'s last answer: the version, the up flags, and until when the flags hold."""
 
     # --- pushes -------------------------------------------------------------------------------
-    def push(self, snap: RankSnapshot, key_digest: bytes = b"", line: StreamWrite | None = None) -> list[Command]:
-        """Record a snapshot (with ``line``, a push stream's line, perhaps a delta); return the run's
-        commands this rank has not carried out yet. Raises, recording nothing: ``NeedsWholeSnapshot``
-        for a delta without its base, ``WrongRunKey`` when the run is bound to another key, and
+    def push(self, snap: RankSnapshot, key_digest: bytes = b"") -> list[Command]:
+        """Record a snapshot; return the run's commands this rank has not carried out yet. Raises,
+        recording nothing: ``WrongRunKey`` when the run is bound to another key, and
         ``bounds.Refused`` for a push over a bound (a new run, a new rank, more series)."""
         now = self._clock()
         run = run_id(snap)
         key = (snap.namespace, snap.run, snap.rank)
-        changed = line.changed if line is not None else None
         with self._lock:
             old = self._ranks.get(key)
-            base = _delta_base(snap, line.base, changed) if line is not None and changed is not None else None
             if not self._keys.admit(run, key_digest, self._ended):
                 raise WrongRunKey(run)
-            written = (base.changed(changed, snap.histogram) if base is not None and changed is not None
-                       else Written.of(snap, old.record.written if old is not None else None))
-            if line is not None:
-                line.written = StreamBase(written, snap.instance)
-            advanced = old is None or snap.step != old.snapshot.step
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
-            held = old.record.written.samples if old is not None else 0
-            series = self._series - held + written.samples
-            if old is None or written.samples > held:
+            held = len(old.snapshot.samples) if old is not None else 0
+            series = self._series - held + len(snap.samples)
+            if old is None or len(snap.samples) > held:
                 self.bounds.admit(snap, old is None, len(self._run_ranks), self._run_ranks.get(run), series)
             if old is None:
                 self._run_ranks[run] = self._run_ranks.get(run, 0) + 1
             self._series = series
-            self._generation += 1
             self._version += 1
-            if old is None:
-                record = RankRecord(written, self._generation)
-            else:
-                (record := old.record).write(written, self._generation)
-            entry = self._ranks[key] = RankEntry(snap, record, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
+            advanced = old is None or snap.step != old.snapshot.step
+            entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(run):
                 return []  # the common case: nothing queued, so nothing to retire or hand out
@@ -211,7 +171,7 @@ class RankStore:
     def _forget(self, key: tuple[str, str, int], e: RankEntry) -> None:
         del self._ranks[key]
         self._version += 1
-        self._series -= e.record.written.samples
+        self._series -= len(e.snapshot.samples)
         run = (key[0], key[1])
         left = self._run_ranks[run] - 1
         if left:
@@ -255,13 +215,12 @@ class RankStore:
             return version, ups
 
     def rows(self) -> list[RankRow]:
-        """Every rank's lines, sorted by (namespace, run, rank); written under the lock, which
-        pushes take to write a record."""
+        """Every rank's last push and liveness, sorted by (namespace, run, rank)."""
         self.expire()
         now = self._clock()
         with self._lock:
-            return [RankRow(e.record.texts(), e.record.written.layout.plain, self.is_up(e, now), e.last_push,
-                            e.last_step_advance) for e in (self._ranks[k] for k in sorted(self._ranks))]
+            return [RankRow(e.snapshot, self.is_up(e, now), e.last_push, e.last_step_advance)
+                    for e in (self._ranks[k] for k in sorted(self._ranks))]
 
     def hosts_run(self, run: str, namespace: str = "") -> bool:
         return any(run_id(e.snapshot) == (namespace, run) for e in self.entries())
@@ -318,23 +277,6 @@ class RankStore:
             "last_checkpoint": max(checkpoints, default=""),
             "pending_commands": [c.model_dump() for c in self.pending(run, namespace)],
         }
-
-
-def _delta_base(snap: RankSnapshot, base: StreamBase | None, changed: list[tuple[int, float]]) -> Written:
-    """What a delta applies onto: what the same stream last wrote for the rank, from the same Patrol."""
-    if base is None or base.instance != snap.instance:
-        raise NeedsWholeSnapshot(f"A delta line needs a whole snapshot of run {snap.run!r} rank {snap.rank} "
-                                 "earlier on the same stream; send one.")
-    held = base.write.samples
-    if (snap.histogram is not None) != base.write.has_histogram:
-        raise NeedsWholeSnapshot(f"A delta line {'with' if snap.histogram else 'without'} a step histogram needs a "
-                                 f"whole snapshot of run {snap.run!r} rank {snap.rank} first: the last one "
-                                 f"{'had none' if snap.histogram else 'had one'}; send one.")
-    for index, _ in changed:
-        if index >= held:
-            raise NeedsWholeSnapshot(f"changed: sample index {index} is outside the {held} samples "
-                                     "of the rank's last whole snapshot.")
-    return base.write
 
 
 def _run_state(states: list[str]) -> str:

@@ -1,2 +1,2 @@
-"""The agent's collectors, one file each: each writes its own exposition text (trainpatrol.exposition)
-and says when it has something new to write (``changed``)."""
+"""The agent's collectors, one file each: prometheus_client collectors that also say cheaply when
+they have something new (``version``); collectors.registry writes /metrics from them."""

@@ -2,7 +2,7 @@
 
 A sample of one GPU is JSON-able: ``{"gpu", "uuid", ..., "timestamp", "series", "processes"}`` where
 ``series`` maps a catalogue name without its ``trainpatrol_`` prefix to ``[(extra label values,
-value), ...]`` in base units. ``write_families()`` writes samples in the text format.
+value), ...]`` in base units. ``families()`` turns samples into prometheus_client families.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from prometheus_client.metrics_core import Metric as Family
+
 from ..catalogue import NVML_METRICS, P
-from ..exposition import exposed, go_float, head, header
 
 Labels = tuple[str, ...]
 Series = dict[str, list[tuple[Labels, float]]]
@@ -224,7 +225,7 @@ def process_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[Labels, floa
     return sorted(total.items())
 
 
-def write_families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> str:
+def families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> list[Family]:
     """The families, in catalogue order, of GPU samples and XID counts keyed (gpu, uuid, xid); a
     family no GPU has is left out."""
     rows = _rows(gpus, xids)
@@ -232,20 +233,24 @@ def write_families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tupl
     for spec in NVML_METRICS:
         series = rows.get(spec.name[len(P):])
         if series:
-            name, names = exposed(spec.name, spec.kind), spec.all_labels
-            out.append(header(spec.name, spec.kind, spec.help))
-            if spec.kind == "info":
-                out += [_head(name, names, labels) + "1.0\n" for labels, _ in series]
-            else:
-                out += [_head(name, names, labels) + go_float(value) + "\n" for labels, value in series]
-    return "".join(out)
+            fam, names = spec.family(), spec.all_labels
+            name = fam.name + {"counter": "_total", "info": "_info"}.get(spec.kind, "")
+            info = spec.kind == "info"
+            for labels, value in series:
+                fam.add_sample(name, _sorted_labels(names, labels), 1.0 if info else value)
+            out.append(fam)
+    return out
 
 
 @functools.lru_cache(maxsize=8192)
-def _head(name: str, names: tuple[str, ...], labels: Labels) -> str:
-    """A series' line up to its value: the same GPUs' series come back every sample (bounded: a
+def _label_items(names: tuple[str, ...], labels: Labels) -> tuple[tuple[str, str], ...]:
+    """A series' labels sorted by name: the same GPUs' series come back every sample (bounded: a
     node's GPUs, their MIG instances and XID codes)."""
-    return head(name, dict(zip(names, labels, strict=True)))
+    return tuple(sorted(zip(names, labels, strict=True)))
+
+
+def _sorted_labels(names: tuple[str, ...], labels: Labels) -> dict[str, str]:
+    return dict(_label_items(names, labels))
 
 
 def _rows(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> Series:

@@ -21,8 +21,10 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
+
+from prometheus_client.metrics_core import Metric as Family
 
 from . import _nvml_sample as ns
 
@@ -73,7 +75,7 @@ class NvmlCollector:
         """Energy, ECC, retired pages, remapped rows, power limit and PCIe (ns.SLOW_CALLS) are read
         this often; samples in between carry their last readings."""
         self.stale_after_seconds = max(5.0, 5 * interval_seconds)
-        """write() fails when the last sample is older than this (a hung NVML call, say)."""
+        """collect() fails when the last sample is older than this (a hung NVML call, say)."""
         self._pcie, self._processes = pcie, processes
         self._pid_to_rank = pid_to_rank
         self._clock = clock
@@ -82,8 +84,7 @@ class NvmlCollector:
         self._error = "NVML has not been sampled yet"
         self._xids: dict[ns.Labels, tuple[int, float]] = {}
         self._news = 0
-        """Samples, failures and XID events so far: what write() has to write again for."""
-        self._written: tuple[int, bool] | None = None
+        """Samples, failures and XID events so far: what moves the version."""
         self._gpus: list[Gpu] | None = None  # set while NVML is initialised for the sampler
         self._mig: dict[str, list[ns.MigInstance]] = {}
         """The MIG instances of each GPU in MIG mode, by the GPU's uuid."""
@@ -122,26 +123,24 @@ class NvmlCollector:
             with self._sampling:
                 self._shutdown()
 
-    def changed(self) -> bool:
-        """A new sample, failure or XID event since the last write, or the sample went stale."""
-        return (self._news, self._stale()) != self._written
+    def version(self) -> Hashable:
+        """Moves with a new sample, failure or XID event, and when the sample goes stale."""
+        return self._news, self._stale()
 
     def _stale(self) -> bool:
         sample = self._sample
         return sample is not None and self._clock() - sample["timestamp"] > self.stale_after_seconds
 
-    def write(self) -> bytes:
+    def collect(self) -> list[Family]:
         """The last sample's families; raises NvmlUnavailable when there is no usable one."""
         with self._lock:
-            sample, error, xids, news = self._sample, self._error, dict(self._xids), self._news
-        stale = self._stale()
-        self._written = (news, stale)
+            sample, error, xids = self._sample, self._error, dict(self._xids)
         if error or sample is None:
             raise NvmlUnavailable(error or "no NVML sample")
-        if stale:
+        if self._stale():
             age, limit = self._clock() - sample["timestamp"], self.stale_after_seconds
             raise NvmlUnavailable(f"the last NVML sample is {age:.1f} s old (limit {limit:g} s)")
-        return ns.write_families(sample["gpus"], xids).encode()
+        return ns.families(sample["gpus"], xids)
 
     def snapshot(self) -> dict[str, Any]:
         """The last sample, the current error and the XID counts, as JSON-able data."""

@@ -1,33 +1,32 @@
 """Serves the ranks' pushed series, plus the liveness the agent derives from them.
 
-Emits every ``source="rank"`` metric of the catalogue with ``run`` and ``rank`` labels (and the
-workload labels a rank has), then ``trainpatrol_rank_up``,
+Yields every ``source="rank"`` metric of the catalogue that some rank pushed, with ``run`` and
+``rank`` labels (and the workload labels a rank has), then ``trainpatrol_rank_up``,
 ``trainpatrol_rank_last_push_timestamp_seconds`` and ``trainpatrol_rank_last_step_timestamp_seconds``.
+A prometheus_client collector: the agent's /metrics writes it in either format (collectors.health).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
-from ..catalogue import AGENT_METRICS, RANK_METRICS
-from ..exposition import go_float, header
+from prometheus_client.metrics_core import Metric
 
-_HEADERS = tuple(header(m.name, m.kind, m.help) for m in RANK_METRICS)
+from ..catalogue import AGENT_METRICS, RANK_METRICS, STEP_DURATION_BUCKETS
+from ..protocol import RankSnapshot
+
+WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
+"""The training process's own Kubernetes identity, on every series of its rank when it has one."""
+_HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
+_BOUNDS = (*(str(b) for b in STEP_DURATION_BUCKETS), "+Inf")
 _LIVENESS = tuple(m for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_"))
-_UP, _PUSH, _STEP = (m.name for m in _LIVENESS)
-assert (_UP, _PUSH, _STEP) == ("trainpatrol_rank_up", "trainpatrol_rank_last_push_timestamp_seconds",
-                               "trainpatrol_rank_last_step_timestamp_seconds")
-_UP_HEADER, _PUSH_HEADER, _STEP_HEADER = (header(m.name, m.kind, m.help) for m in _LIVENESS)
 
 
 class RankRow(NamedTuple):
     """What a scrape writes of one rank."""
 
-    texts: tuple[str, ...]
-    """Per catalogue rank family, the rank's lines (collectors.rank_record)."""
-    plain: str
-    """The label block of its liveness lines."""
+    snapshot: RankSnapshot
     up: bool
     last_push: float
     last_step_advance: float
@@ -36,45 +35,53 @@ class RankRow(NamedTuple):
 class RankSource(Protocol):
     """Where the ranks come from (agent.store)."""
 
-    def state(self) -> tuple[int, tuple[bool, ...]]:
-        """A count of writes and expiries, and each rank's up flag: what the lines depend on."""
+    def state(self) -> Hashable:
+        """Changes whenever ``rows`` would give something else: a push, an expiry, an up flag flipping."""
 
     def rows(self) -> Sequence[RankRow]:
         """Every rank, sorted by (namespace, run, rank)."""
 
 
+def rank_labels(snap: RankSnapshot) -> dict[str, str]:
+    """The labels every series of a rank carries: run, rank and the workload labels it has."""
+    labels = {"run": snap.run, "rank": str(snap.rank)}
+    labels.update({k: getattr(snap, k) for k in WORKLOAD_LABELS if getattr(snap, k)})
+    return labels
+
+
 class RankCollector:
-    """Writes family by family in catalogue order, the ranks in order within each."""
+    """Families in catalogue order, the ranks in order within each; labels sorted by name, as the
+    text format has always written them."""
 
     def __init__(self, source: RankSource) -> None:
         self._source = source
-        self._written: tuple[int, tuple[bool, ...]] | None = None
-        self._stamps: dict[str, tuple[float, float, str, str]] = {}
-        """Per rank (its label block): the two timestamps last written and their lines. A scrape
-        finds most ranks' unchanged since the last one, and formatting a timestamp is not cheap."""
 
-    def changed(self) -> bool:
-        return self._source.state() != self._written
+    def version(self) -> Hashable:
+        return self._source.state()
 
-    def write(self) -> bytes:
-        state = self._source.state()
+    def collect(self) -> Iterator[Metric]:
         rows = self._source.rows()
-        out: list[str] = []
-        for head, lines in zip(_HEADERS, zip(*[row.texts for row in rows], strict=True), strict=False):
-            if any(lines):
-                out.append(head)
-                out += lines
-        stamps = [self._stamp_lines(r) for r in rows]
-        if rows:
-            out += (_UP_HEADER, *[f"{_UP}{{{r.plain}}} {'1.0' if r.up else '0.0'}\n" for r in rows],
-                    _PUSH_HEADER, *[s[2] for s in stamps], _STEP_HEADER, *[s[3] for s in stamps])
-        self._stamps = {r.plain: s for r, s in zip(rows, stamps, strict=True)}
-        self._written = state
-        return "".join(out).encode()
+        families = {spec.name: spec.family() for spec in RANK_METRICS}
+        liveness = [spec.family() for spec in _LIVENESS]
+        for row in rows:
+            snap, base = row.snapshot, rank_labels(row.snapshot)
+            for s in snap.samples:
+                fam = families[s.name]
+                value = 1.0 if fam.type == "info" else s.value
+                fam.add_sample(s.name, _sorted(base | s.labels), value)
+            if snap.histogram is not None:
+                fam, counts = families[_HISTOGRAM], snap.histogram.counts
+                for le, count in zip(_BOUNDS, counts, strict=True):
+                    fam.add_sample(_HISTOGRAM + "_bucket", _sorted(base | {"le": le}), count)
+                plain = _sorted(base)
+                fam.add_sample(_HISTOGRAM + "_count", plain, counts[-1])
+                fam.add_sample(_HISTOGRAM + "_sum", plain, snap.histogram.sum)
+            plain = _sorted(base)
+            for fam, value in zip(liveness, (1.0 if row.up else 0.0, row.last_push, row.last_step_advance),
+                                  strict=True):
+                fam.add_sample(fam.name, plain, value)
+        yield from (f for f in (*families.values(), *liveness) if f.samples)
 
-    def _stamp_lines(self, row: RankRow) -> tuple[float, float, str, str]:
-        known = self._stamps.get(row.plain)
-        if known is not None and known[0] == row.last_push and known[1] == row.last_step_advance:
-            return known
-        return (row.last_push, row.last_step_advance, f"{_PUSH}{{{row.plain}}} {go_float(row.last_push)}\n",
-                f"{_STEP}{{{row.plain}}} {go_float(row.last_step_advance)}\n")
+
+def _sorted(labels: dict[str, str]) -> dict[str, str]:
+    return dict(sorted(labels.items()))

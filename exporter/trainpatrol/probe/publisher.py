@@ -1,27 +1,21 @@
-"""Pushes the rank's snapshot to its agent about once a second, from a background thread.
+"""Pushes the rank's whole snapshot to its agent about once a second, from a background thread.
 
-The periodic pushes travel on one kept-open stream (probe.push_stream), so each costs the agent one
-chunk rather than one HTTP request. ``push_now`` (a state change, the final snapshot) is one
-``POST /v1/push``, confirmed when it returns;
-its kept-alive connection idles between state changes, so on a connection error (the agent closed
-it, or restarted) the request is sent once more on a new connection, within ``timeout``, and the
-final "closed" push still arrives. Pushes are bounded in time, retried with backoff, and a dropped
-push is counted; the training loop never waits for the agent. Commands in the agent's replies are
-handed to ``on_commands`` as they arrive.
+Each push is one ``POST /v1/push`` on a kept-alive connection, and the reply carries the commands
+waiting for the rank, handed to ``on_commands``. ``push_now`` (a state change, the final snapshot)
+is the same request from the calling thread, confirmed when it returns. A push is a whole
+snapshot, so a connection the agent closed while idle (or a restarted agent) costs one more try on
+a new connection, within ``timeout``. Pushes are bounded in time, retried with backoff, and a
+dropped push is counted; the training loop never waits for the agent.
 
 Periodic pushes fall on whole multiples of the interval on the wall clock (``next_push_delay``), so
-the ranks of a node push in the same instant and their agent wakes once for all of them rather than
-once per rank: on an idle core a wake-up costs the agent more than a small push (docs/benchmarks.md).
+the ranks of a node push in the same instant and their agent wakes once for all of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import logging
-import select
-import socket
 import threading
 import time
 import urllib.parse
@@ -29,10 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..agent.config import DEFAULT_PORT
-from .push_stream import RUN_KEY_HEADER, PushStream
-from .snapshot_delta import DeltaEncoder
 
 log = logging.getLogger("trainpatrol")
+PATH = "/v1/push"
+RUN_KEY_HEADER = "X-Trainpatrol-Run-Key"
+"""Proves the run's key (probe.run_key) with every push."""
 
 
 def next_push_delay(interval: float, now: float) -> float:
@@ -51,30 +46,29 @@ class Publisher:
         self._port = parsed.port or DEFAULT_PORT
         self._snapshot = snapshot
         self._on_commands = on_commands
-        self._token = token
-        self._run_key = run_key
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        if run_key:
+            self._headers[RUN_KEY_HEADER] = run_key
         self.interval = interval
         self._timeout = timeout
         self._max_backoff = max_backoff
         self._stop = threading.Event()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_w.setblocking(False)
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._conn: http.client.HTTPConnection | None = None
+        self._conn_lock = threading.Lock()
+        self._failing = False
         self.dropped = 0
         self.delivered = 0
-        self._conn: http.client.HTTPConnection | None = None
-        self._stream = PushStream(self._host, self._port, token, timeout, run_key=run_key)
-        self._delta = DeltaEncoder()
-        self._conn_lock = threading.RLock()
-        self._failing = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="trainpatrol-publisher", daemon=True)
         self._thread.start()
 
     def push_now(self) -> bool:
-        """One push from the calling thread (a state change, a final snapshot), by its own request:
-        when it returns True the agent has taken it in, where the stream hands it over in batches."""
+        """One push from the calling thread; True once the agent has taken it in."""
         try:
             self._post(json.dumps(self._snapshot()).encode())
             return True
@@ -82,62 +76,32 @@ class Publisher:
             self._failed(exc)
             return False
 
-    def _push_periodic(self) -> bool:
-        try:
-            self._push_on_stream(self._snapshot())
-            return True
-        except Exception as exc:
-            self._failed(exc)
-            return False
-
     def wake(self) -> None:
-        with contextlib.suppress(OSError):  # BlockingIOError: already awake; OSError: stopped
-            self._wake_w.send(b"!")
+        """Push at once rather than at the next whole interval."""
+        self._wake.set()
 
     def stop(self, final_push: bool = True) -> None:
         self._stop.set()
-        self.wake()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self._timeout * 2 + 1)
         if final_push:
             self.push_now()
         with self._conn_lock:
-            self._stream.close()  # the agent still handles the lines it has; the final push came after them
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-        self._wake_r.close()
-        self._wake_w.close()
 
     def _loop(self) -> None:
         backoff = self.interval
         while not self._stop.is_set():
-            if self._push_periodic():
+            if self.push_now():
                 backoff = self.interval
-                self._wait(next_push_delay(self.interval, time.time()))
+                delay = next_push_delay(self.interval, time.time())
             else:
-                backoff = min(backoff * 2, self._max_backoff)
-                self._wait(backoff)
-
-    def _wait(self, seconds: float) -> None:
-        """Until ``seconds`` pass or ``wake``; meanwhile hands on commands the agent streams back."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
-            watched: list[socket.socket | PushStream] = [self._wake_r]
-            if self._stream.is_open:
-                watched.append(self._stream)
-            try:
-                ready = select.select(watched, [], [], left)[0]
-            except (ValueError, OSError):
-                continue  # the training thread closed the stream meanwhile; watch the wake-up alone
-            if self._wake_r in ready:
-                self._wake_r.recv(4096)
-                return
-            if ready:
-                try:
-                    self._take_replies()
-                except Exception as exc:
-                    self._failed(exc)
+                backoff = delay = min(backoff * 2, self._max_backoff)
+            self._wake.wait(delay)
+            self._wake.clear()
 
     def _failed(self, exc: Exception) -> None:
         self.dropped += 1
@@ -146,79 +110,36 @@ class Publisher:
                         self._host, self._port, exc)
         self._failing = True
 
-    def _push_on_stream(self, snapshot: dict[str, Any]) -> None:
-        with self._conn_lock:
-            try:
-                if not self._stream.is_open:
-                    self._stream.open()
-                    self._delta.reset()
-                self._stream.send(self._delta.encode(snapshot))
-            except OSError:
-                self._stream.close()
-                raise
-        self._delivered()  # its answer, if any, comes with a later batch: _wait hands it on
-
-    def _take_replies(self) -> None:
-        """Commands and refusals the agent has streamed back so far; a stream it ended is closed."""
-        with self._conn_lock:
-            if not self._stream.is_open:
-                return
-            try:
-                replies = self._stream.replies()
-            finally:
-                if self._stream.ended:
-                    self._stream.close()
-        self._handle(replies)
-
-    def _handle(self, replies: list[dict[str, Any]]) -> None:
-        for reply in replies:
-            if reply.get("commands"):
-                self._on_commands(reply["commands"])
-            elif "status" in reply:
-                with self._conn_lock:
-                    self._delta.reset()  # the agent dropped its base of our deltas
-                self._failed(RuntimeError(f"agent refused a push ({reply['status']}): {reply.get('detail')}"))
-
-    def _delivered(self) -> None:
-        if self._failing:
-            log.warning("trainpatrol: pushes to agent %s:%d work again", self._host, self._port)
-        self._failing = False
-        self.delivered += 1
-
     def _post(self, body: bytes) -> None:
-        headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        if self._run_key:
-            headers[RUN_KEY_HEADER] = self._run_key
         with self._conn_lock:
             started = time.monotonic()
             try:
-                status, data = self._request(body, headers)
+                status, data = self._request(body)
             except (ConnectionError, http.client.HTTPException) as exc:
-                # The kept-alive connection went stale: the agent closed it while idle (uvicorn after
-                # 5 s; state-change pushes come minutes apart) or restarted. A push is a whole
-                # snapshot, so sending it again is harmless: once, on a new connection, while the
-                # first try has left time within ``timeout``. A timeout is not retried.
+                # The kept-alive connection went stale (the agent closed it while idle, or restarted):
+                # once more on a new connection, while the first try left time within ``timeout``.
+                # A timeout is not retried.
                 if time.monotonic() - started >= self._timeout:
                     raise
                 log.debug("trainpatrol: push to agent %s:%d failed (%r); once more on a new connection",
                           self._host, self._port, exc)
-                status, data = self._request(body, headers)
+                status, data = self._request(body)
         if status != 200:
             raise RuntimeError(f"agent answered {status}: {data[:300]!r}")
-        self._delivered()
+        if self._failing:
+            log.warning("trainpatrol: pushes to agent %s:%d work again", self._host, self._port)
+        self._failing = False
+        self.delivered += 1
         commands = json.loads(data).get("commands", [])
         if commands:
             self._on_commands(commands)
 
-    def _request(self, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        """One ``POST /v1/push`` on the kept-alive connection (a new TCP connection per push costs the
-        agent more than the push), opened if there is none; a connection that failed is dropped."""
+    def _request(self, body: bytes) -> tuple[int, bytes]:
+        """One push on the kept-alive connection, opened if there is none; a connection that failed is dropped."""
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
         try:
-            self._conn.request("POST", "/v1/push", body=body, headers=headers)
+            self._conn.request("POST", PATH, body=body, headers=self._headers)
             resp = self._conn.getresponse()
             return resp.status, resp.read()
         except (OSError, http.client.HTTPException):

@@ -1,40 +1,51 @@
-"""The /metrics body: a collector is written again only when it says it changed, a failing one
-gives nothing and fails no scrape, and each one's success and last collection time are served."""
+"""The /metrics body: a collector is collected again only when its version moved, a failing one
+gives nothing and fails no scrape, each one's success and last collection time are served, and the
+body comes in the format and encoding the scraper asks for."""
 
 from __future__ import annotations
 
+import gzip
 import logging
 import threading
+from collections.abc import Iterator
 
 import pytest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from exposition_check import assert_clean, value
+from exposition_check import assert_clean, assert_openmetrics_clean, value
 from fake_clock import Clock
 from trainpatrol.agent.store import RankStore
-from trainpatrol.collectors.health import CollectorSet
 from trainpatrol.collectors.ranks import RankCollector
+from trainpatrol.collectors.registry import Registry
 from trainpatrol.protocol import RankSnapshot
 
 
 class Scripted:
-    """A collector whose news, text and failure the test sets; it counts its writes."""
+    """A collector whose version, value and failure the test sets; it counts its collections."""
 
-    def __init__(self, text: bytes = b"") -> None:
-        self.text, self.news, self.error, self.writes = text, True, "", 0
+    def __init__(self, x: float | None = None) -> None:
+        self.x, self.news, self.error, self.writes = x, 0, "", 0
 
-    def changed(self) -> bool:
+    def version(self) -> int:
         return self.news
 
-    def write(self) -> bytes:
+    def collect(self) -> Iterator[Metric]:
         self.writes += 1
-        self.news = False
         if self.error:
             raise RuntimeError(self.error)
-        return self.text
+        if self.x is not None:
+            yield GaugeMetricFamily("trainpatrol_x", "x", value=self.x)
 
 
 X = b"# HELP trainpatrol_x x\n# TYPE trainpatrol_x gauge\ntrainpatrol_x 2.0\n"
+
+
+class CollectorSet(Registry):
+    """The registry's text body, as Prometheus' text scrape gets it."""
+
+    def body(self, accept: str = "", accept_encoding: str = "") -> bytes:  # type: ignore[override]
+        return super().body(accept, accept_encoding).data
 
 
 def success(body: bytes, name: str) -> float | None:
@@ -42,41 +53,41 @@ def success(body: bytes, name: str) -> float | None:
 
 
 def test_a_collector_is_written_again_only_when_it_changed() -> None:
-    a, b = Scripted(X), Scripted(b"")
+    a, b = Scripted(2.0), Scripted()
     collectors = CollectorSet({"a": a, "b": b})
     first = collectors.body()
     assert first.startswith(X) and (a.writes, b.writes) == (1, 1)
     assert collectors.body() == first and (a.writes, b.writes) == (1, 1)  # nothing new: nothing written
-    a.text, a.news = X.replace(b"2.0", b"3.0"), True
+    a.x, a.news = 3.0, 1
     second = collectors.body()
     assert value(second, "trainpatrol_x") == 3.0 and (a.writes, b.writes) == (2, 1)
     assert_clean(second)
 
 
 def test_a_failing_collector_gives_nothing_logs_once_and_recovers(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="trainpatrol.collectors.health")
-    flaky, ok = Scripted(X), Scripted(b"")
+    caplog.set_level(logging.WARNING, logger="trainpatrol.collectors.registry")
+    flaky, ok = Scripted(2.0), Scripted()
     collectors = CollectorSet({"flaky": flaky, "ok": ok})
     flaky.error = "driver gone"
     body = collectors.body()
     assert (success(body, "flaky"), success(body, "ok")) == (0.0, 1.0)
     assert value(body, "trainpatrol_x") is None
     for _ in range(3):
-        flaky.news = True
+        flaky.news += 1
         collectors.body()
     assert [r.getMessage() for r in caplog.records] == ["collector flaky failed: RuntimeError: driver gone"]
-    flaky.error, flaky.news = "", True
+    flaky.error, flaky.news = "", flaky.news + 1
     body = collectors.body()
     assert success(body, "flaky") == 1.0 and value(body, "trainpatrol_x") == 2.0
 
 
 def test_the_duration_is_that_of_the_collectors_last_collection() -> None:
     class Slow(Scripted):
-        def write(self) -> bytes:
+        def collect(self) -> Iterator[Metric]:
             threading.Event().wait(0.05)
-            return super().write()
+            return super().collect()
 
-    slow = Slow(X)
+    slow = Slow(2.0)
     collectors = CollectorSet({"slow": slow})
     first = value(collectors.body(), "trainpatrol_collector_duration_seconds", {"collector": "slow"})
     assert first is not None and 0.05 <= first < 1.0
@@ -119,3 +130,36 @@ def test_scrapes_on_other_threads_while_ranks_push() -> None:
     body = collectors.body()
     assert [value(body, "trainpatrol_step_total", {"run": "r1", "rank": str(r)}) for r in range(4)] == [
         296.0, 297.0, 298.0, 299.0]
+
+
+def test_the_body_comes_as_openmetrics_or_gzipped_when_asked_and_as_text_by_default() -> None:
+    store = RankStore(clock=Clock())
+    store.push(RankSnapshot.model_validate({"run": "r1", "rank": 0, "samples": [
+        {"name": "trainpatrol_step_total", "value": 3.0},
+        {"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": 'a"b\\c'}, "value": 1.0}],
+        "histogram": {"counts": [0.0] * 15 + [3.0], "sum": 0.3}}))
+    registry = Registry({"ranks": RankCollector(store)})
+    plain = registry.body()
+    assert plain.content_type == "text/plain; version=0.0.4; charset=utf-8" and not plain.gzipped
+    assert_clean(plain.data)
+    assert b'trainpatrol_step_total{rank="0",run="r1"} 3.0\n' in plain.data
+    prometheus = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                  "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus 2.42 asks for
+    om = registry.body(prometheus)
+    assert om.content_type.startswith("application/openmetrics-text; version=1.0.0")
+    assert_openmetrics_clean(om.data)
+    assert b"# TYPE trainpatrol_step counter\n" in om.data
+    assert b'trainpatrol_step_total{rank="0",run="r1"} 3.0\n' in om.data
+    zipped = registry.body("", "deflate, gzip;q=0.8")
+    assert zipped.gzipped and gzip.decompress(zipped.data) == plain.data
+
+
+def test_a_body_is_written_once_per_format_until_a_collector_moves() -> None:
+    a = Scripted(2.0)
+    registry = Registry({"a": a})
+    first = registry.body()
+    assert registry.body() is first and a.writes == 1
+    om = registry.body("application/openmetrics-text")
+    assert registry.body("application/openmetrics-text") is om and a.writes == 1
+    a.news += 1
+    assert registry.body() is not first and a.writes == 2

@@ -1,0 +1,119 @@
+"""The agent's registry: named collectors, their health, and the /metrics body in the format asked for.
+
+Each collector is a prometheus_client collector (``collect()``) that also says, cheaply, when it would
+give something new (``version()``). A collector is collected again only when its version moved, a
+failing one gives nothing and fails no scrape, and the body is written by prometheus_client (the
+text format, or OpenMetrics when the scraper asks for it; gzip when accepted), once per format for
+each state of the collectors. Emits ``trainpatrol_collector_success{collector}`` and
+``trainpatrol_collector_duration_seconds{collector}``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import threading
+import time
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+
+from ..catalogue import BY_NAME
+
+log = logging.getLogger(__name__)
+_SUCCESS, _DURATION = "trainpatrol_collector_success", "trainpatrol_collector_duration_seconds"
+
+
+class Collector(Protocol):
+    def version(self) -> Hashable:
+        """Changes whenever ``collect`` would give something else. Cheap: asked at every scrape."""
+
+    def collect(self) -> Iterable[Metric]:
+        """The collector's families; raises when it has nothing valid to say."""
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A collector's last collection: at which version, its families (none when it failed), how it went."""
+
+    version: Hashable
+    families: tuple[Metric, ...]
+    ok: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Body:
+    data: bytes
+    content_type: str
+    gzipped: bool
+
+
+class Registry:
+    """What /metrics serves. Thread-safe: one scrape at a time collects; the others wait for its body."""
+
+    def __init__(self, collectors: Mapping[str, Collector]) -> None:
+        self._collectors = dict(collectors)
+        self._parts: dict[str, _Part] = {}
+        self._logged: set[tuple[str, str]] = set()
+        self._bodies: dict[tuple[str, bool], Body] = {}
+        self._lock = threading.Lock()
+
+    def body(self, accept: str = "", accept_encoding: str = "") -> Body:
+        """The body for a scrape with these ``Accept`` and ``Accept-Encoding`` headers."""
+        encoder, content_type = choose_encoder(accept)
+        gzipped = gzip_accepted(accept_encoding)
+        with self._lock:
+            if self._refresh():
+                self._bodies.clear()
+            key = (content_type, gzipped)
+            body = self._bodies.get(key)
+            if body is None:
+                data = encoder(self)
+                body = self._bodies[key] = Body(gzip.compress(data, 6) if gzipped else data, content_type, gzipped)
+            return body
+
+    def collect(self) -> Iterator[Metric]:
+        """Every collector's last families, then their health (what prometheus_client's writers read)."""
+        for part in self._parts.values():
+            yield from part.families
+        success = GaugeMetricFamily(_SUCCESS, BY_NAME[_SUCCESS].help, labels=["collector"])
+        duration = GaugeMetricFamily(_DURATION, BY_NAME[_DURATION].help, labels=["collector"])
+        for name, part in self._parts.items():
+            success.add_metric([name], 1.0 if part.ok else 0.0)
+            duration.add_metric([name], part.seconds)
+        yield success
+        yield duration
+
+    def _refresh(self) -> bool:
+        """Collects each collector whose version moved; says whether any did."""
+        moved = False
+        for name, collector in self._collectors.items():
+            try:
+                version = collector.version()
+            except Exception as exc:  # asking must not break the scrape either: collect, and fail there
+                self._log(name, exc)
+                version = object()
+            part = self._parts.get(name)
+            if part is None or part.version != version:
+                self._parts[name] = self._collect(name, version)
+                moved = True
+        return moved
+
+    def _collect(self, name: str, version: Hashable) -> _Part:
+        start = time.perf_counter()
+        try:
+            families, ok = tuple(self._collectors[name].collect()), True
+        except Exception as exc:  # a broken collector must not break the scrape
+            self._log(name, exc)
+            families, ok = (), False
+        return _Part(version, families, ok, time.perf_counter() - start)
+
+    def _log(self, name: str, exc: Exception) -> None:
+        key = (name, f"{type(exc).__name__}: {exc}")
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("collector %s failed: %s", name, key[1])
