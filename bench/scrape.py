@@ -1,23 +1,20 @@
-"""/metrics under load: a real agent with 8 fake H200s whose slow NVML calls take as long as on the
-real GPU, 8 and then 64 ranks pushing once a second, and a scraper asking for /metrics 10 times a
-second. Reports scrape latency (p50/p99), the agent's CPU share of one core and its RSS, as JSON:
+"""/metrics under the loads a node agent sees: a real agent with 8 fake H200s whose slow NVML calls take
+as long as on the real GPU, ranks pushing once a second, and a scraper asking for /metrics as
+Prometheus does. Reports scrape latency (p50/p99), the agent's CPU share of one core and its RSS, as JSON:
 
-    python bench/scrape.py [--quick] [--ranks 8,64] [--seconds 30] [--transport stream,request] [--baseline]
+    python bench/scrape.py [--quick] [--load node|fleet|RANKSxSECONDS,...] [--seconds 60]
 
-Where the CPU goes: ``--ranks 0 --scrape-hz 0 --no-nvml`` (an idle agent), then add NVML, pushing
-ranks or scrapes one at a time. ``--baseline`` runs each configuration again on bench/bare_agent.py,
-the agent's server doing none of its work, straight after, and reports ``cpu_core_share_over_bare``:
-the agent's own work, apart from what the server costs under the same load.
+The loads (DESIGN.md): ``node`` is an 8-GPU node, 8 ranks scraped every 15 s (target: at most 1 % of
+a core); ``fleet`` is 64 ranks scraped every 5 s, the fast alert profile's pace (target: at most 5 %
+of a core and a p99 of at most 25 ms); RSS at most 150 MB in both.
 
 The rank payload is a real Patrol snapshot (scripted steps, an H200-sized allocator reading), sent
 as each rank with world_size 64. Every push moves what a second of training moves (counters, loss,
-grad norm, loader wait, allocator readings, the step histogram), so the agent cannot reuse those
-lines. Pushers run in a process of their own, so their CPU does not slow the scraper; both talk
-HTTP to the agent as Patrol and Prometheus do: ``--transport stream`` (Patrol's default, one
-kept-open ``/v1/push/stream`` per rank, whole snapshot first, then deltas) or ``request`` (one
-``POST /v1/push`` per push, whole snapshots). The agent's CPU share
-covers everything it does: pushes, scrapes and NVML sampling. To see where it goes, attach
-``py-spy record -p <agent pid>`` during a run (cProfile sees only uvicorn's main thread).
+grad norm, loader wait, allocator readings, the step histogram). Pushers run in a process of their
+own and push as Patrol does: one ``POST /v1/push`` of the whole snapshot a second, on a kept-alive
+connection. The scraper asks with Prometheus' own Accept header (OpenMetrics first). The agent's
+CPU share covers everything it does: pushes, scrapes and NVML sampling. To see where it goes,
+attach ``py-spy record -p <agent pid>`` during a run.
 
 ``--hostile`` runs a bounded hostile load beside the honest ranks, from a process of its own
 (``hostile_load``): new runs and new ranks until the agent's bounds refuse them, 0.9 MB pushes and
@@ -54,7 +51,11 @@ sys.path.insert(0, str(REPO / "exporter"))
 
 WORLD_SIZE = 64
 DELAYS = {"nvmlDeviceGetPcieThroughput": 0.0208, "nvmlDeviceGetTotalEnergyConsumption": 0.003}
-TARGETS = {"p99_ms": 10.0, "cpu_core_share_at_64": 0.02, "rss_mb": 150.0}
+LOADS = {"node": (8, 15.0), "fleet": (64, 5.0)}
+"""Ranks, and seconds between scrapes."""
+TARGETS = {"cpu_core_share": {"node": 0.01, "fleet": 0.05}, "p99_ms": {"fleet": 25.0}, "rss_mb": 150.0}
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 H200_BYTES = 150_754_820_096
 
 
@@ -109,14 +110,14 @@ def advance(snap: dict[str, Any], base: dict[str, Any], steps: int, rng: random.
     h["sum"] += steps * 0.012 * (0.9 + 0.2 * rng.random())
 
 
-def push_ranks(port: int, template: dict[str, Any], ranks: int, transport: str, stop: Any, counts: Any) -> None:
+def push_ranks(port: int, template: dict[str, Any], ranks: int, stop: Any, counts: Any) -> None:
     """Every rank pushes once a second on Patrol's schedule (whole seconds of the wall clock). Lines
     are made ready before their instant and sent back to back at it, as 64 rank processes would send
     in parallel: threads of one process that each encode at the instant queue on the GIL and reach
     the agent spread over tens of milliseconds."""
     from trainpatrol.probe.publisher import next_push_delay
 
-    sims = [RankSim(port, template, rank, transport) for rank in range(ranks)]
+    sims = [RankSim(port, template, rank) for rank in range(ranks)]
     while not stop.is_set():
         at = time.time() + next_push_delay(1.0, time.time())
         ready = [sim.prepare(at) for sim in sims]
@@ -135,45 +136,28 @@ RUN_KEY_HEADER = "X-Trainpatrol-Run-Key"
 
 
 class RankSim:
-    """One rank's pushes: its snapshot moving as training would, over a stream or one request each."""
+    """One rank's pushes: its snapshot moving as training would, one request each on a kept-alive connection."""
 
-    def __init__(self, port: int, template: dict[str, Any], rank: int, transport: str) -> None:
-        from trainpatrol.probe.push_stream import PushStream
-        from trainpatrol.probe.snapshot_delta import DeltaEncoder
-
+    def __init__(self, port: int, template: dict[str, Any], rank: int) -> None:
         snap = copy.deepcopy(template)
         snap.update(rank=rank, local_rank=rank % 8, pid=100_000 + rank, instance=f"{rank:016x}")
         for s in snap["samples"]:
             if "local_rank" in s["labels"]:
                 s["labels"]["local_rank"] = str(rank % 8)
         self.snap, self.base, self.rng = snap, copy.deepcopy(snap), random.Random(rank)
-        self.port, self.transport = port, transport
+        self.port = port
         self.seq, self.step = 0, int(snap["step"])
-        self.conn: http.client.HTTPConnection | None = None  # kept alive between pushes, as Patrol does
-        self.stream, self.delta = PushStream("127.0.0.1", port, timeout=5.0, run_key=RUN_KEY), DeltaEncoder()
+        self.conn: http.client.HTTPConnection | None = None
 
-    def prepare(self, at: float) -> bytes | None:
-        """The next push's body, taken at ``at``; None where the stream could not be opened."""
+    def prepare(self, at: float) -> bytes:
+        """The next push's body, taken at ``at``."""
         self.seq, self.step = self.seq + 1, self.step + 30
         self.snap.update(seq=self.seq, step=self.step, time=at)
         advance(self.snap, self.base, 30, self.rng)
-        if self.transport != "stream":
-            return json.dumps(self.snap).encode()
-        try:
-            if not self.stream.is_open:
-                self.stream.open()
-                self.delta.reset()
-        except OSError:
-            return None
-        return self.delta.encode(self.snap)
+        return json.dumps(self.snap).encode()
 
-    def send(self, body: bytes | None) -> bool:
-        if body is None:
-            return False
+    def send(self, body: bytes) -> bool:
         try:
-            if self.transport == "stream":
-                self.stream.send(body)
-                return not any("status" in reply for reply in self.stream.replies()) and not self.stream.ended
             self.conn = self.conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=5.0)
             self.conn.request("POST", "/v1/push", body=body,
                               headers={"Content-Type": "application/json", RUN_KEY_HEADER: RUN_KEY})
@@ -185,10 +169,6 @@ class RankSim:
             return False
 
     def close(self) -> None:
-        if self.stream.is_open and not self.stream.ended:
-            with contextlib.suppress(OSError):
-                self.stream.finish()
-        self.stream.close()
         if self.conn is not None:
             self.conn.close()
         self.conn = None
@@ -289,8 +269,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def get(conn: http.client.HTTPConnection, path: str) -> bytes:
-    conn.request("GET", path)
+def get(conn: http.client.HTTPConnection, path: str, headers: dict[str, str] | None = None) -> bytes:
+    conn.request("GET", path, headers=headers or {})
     resp = conn.getresponse()
     body = resp.read()
     if resp.status != 200:
@@ -323,10 +303,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, Any], transport: str,
-            log_dir: Path, nvml: bool = True, bare_bytes: int = 0, hostile: float = 0.0) -> dict[str, Any]:
-    """One configuration against the agent, or, with ``bare_bytes``, against bench/bare_agent.py
-    serving a /metrics body of that size."""
+def measure(ranks: int, seconds: float, scrape_every: float, template: dict[str, Any], log_dir: Path,
+            nvml: bool = True, hostile: float = 0.0) -> dict[str, Any]:
+    """One load against the agent: ``ranks`` pushing, a scrape every ``scrape_every`` seconds (0: none)."""
     port = free_port()
     env = dict(os.environ, TRAINPATROL_NVML_FAKE_DELAYS=json.dumps(DELAYS), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "exporter"), env.get("PYTHONPATH", "")])
@@ -334,21 +313,17 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
     cmd = [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port", str(port),
            *(["--nvml-fake", str(fixture), "--nvml-pcie"] if nvml else ["--no-nvml"]), "--log-level", "warning"]
     log = open(log_dir / f"agent-{ranks}.log", "wb")  # noqa: SIM115 - closed in the finally below
-    if bare_bytes:
-        cmd = [sys.executable, str(REPO / "bench" / "bare_agent.py"), "--port", str(port),
-               "--body-bytes", str(bare_bytes)]
     agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("l", [0, 0])
-    pusher = ctx.Process(target=push_ranks, args=(port, template, ranks, transport, stop, counts), daemon=True)
+    pusher = ctx.Process(target=push_ranks, args=(port, template, ranks, stop, counts), daemon=True)
     hostile_report = ctx.Queue()
     attacker = ctx.Process(target=hostile_load, args=(port, template, stop, hostile_report), daemon=True)
     hostile_answers: dict[str, Any] = {}
     try:
         wait_until("agent /healthz", lambda: get_once(port, "/healthz"), 30)
         pusher.start()
-        wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks, nvml and not bare_bytes,
-                                                                       transport if bare_bytes else ""), 30)
+        wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks, nvml), 30)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
         if hostile:  # seconds for it to fill what the bounds let it fill, before measuring
             attacker.start()
@@ -360,23 +335,26 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
         cpu_before, wall_before, switches_before = proc.cpu_times(), time.monotonic(), proc.num_ctx_switches()
         latencies, rss_peak, size = [], 0, 0
         next_at = time.monotonic()
-        if not scrape_hz:  # what the rest costs without scrapes (docs/benchmarks.md, the breakdown)
+        if not scrape_every:  # what the rest costs without scrapes
             time.sleep(seconds)
-        while scrape_hz and time.monotonic() - wall_before < seconds:
+        while scrape_every and time.monotonic() - wall_before < seconds:
             time.sleep(max(0.0, next_at - time.monotonic()))
-            next_at += 1.0 / scrape_hz
+            next_at += scrape_every
             start = time.perf_counter()
-            body = get(conn, "/metrics")
+            try:
+                body = get(conn, "/metrics", {"Accept": PROMETHEUS_ACCEPT})
+            except (ConnectionError, http.client.HTTPException):  # the agent closed it while idle: as Prometheus,
+                conn.close()                                        # once more on a new connection
+                body = get(conn, "/metrics", {"Accept": PROMETHEUS_ACCEPT})
             latencies.append(time.perf_counter() - start)
             size = len(body)
-            if len(latencies) % 10 == 0:
-                rss_peak = max(rss_peak, proc.memory_info().rss)
+            rss_peak = max(rss_peak, proc.memory_info().rss)
         cpu_after, wall_after, switches_after = proc.cpu_times(), time.monotonic(), proc.num_ctx_switches()
         threads_after = _thread_cpu(proc)
         pushes = counts[0] - pushed_before
         rss_peak = max(rss_peak, proc.memory_info().rss)
-        text = get(conn, "/metrics").decode()
         conn.close()
+        text = get_once(port, "/metrics").decode()
     finally:
         stop.set()
         if attacker.pid is not None:
@@ -396,11 +374,9 @@ def measure(ranks: int, seconds: float, scrape_hz: float, template: dict[str, An
     cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     ms = [x * 1000 for x in latencies]
     return {
-        "server": "bare" if bare_bytes else "agent",
         "ranks": ranks,
-        "transport": transport,
         "nvml": nvml,
-        "scrape_hz": scrape_hz,
+        "scrape_every_seconds": scrape_every,
         "seconds": round(wall, 2),
         "scrapes": len(latencies),
         "scrape_ms_p50": round(statistics.median(ms), 3) if ms else None,
@@ -443,10 +419,7 @@ def _thread_cpu(proc: psutil.Process) -> dict[str, float]:
     return out
 
 
-def _ready(port: int, ranks: int, nvml: bool, bare_transport: str = "") -> bool:
-    if bare_transport:  # bench/bare_agent.py counts its open streams and nothing else
-        streams = json.loads(get_once(port, "/healthz"))["streams"]
-        return streams == (ranks if bare_transport == "stream" else 0)
+def _ready(port: int, ranks: int, nvml: bool) -> bool:
     runs = json.loads(get_once(port, "/v1/runs"))["runs"]
     hosted = sum(len(r["ranks"]) for r in runs if r["run"] == "bench")
     nvml_ok = 'trainpatrol_collector_success{collector="nvml"} 1.0' in get_once(port, "/metrics").decode()
@@ -464,55 +437,44 @@ def _collector_durations(text: str) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="5 s per configuration instead of 30")
-    parser.add_argument("--seconds", type=float, default=None)
-    parser.add_argument("--ranks", default="8,64", help="comma-separated pushing-rank counts")
-    parser.add_argument("--scrape-hz", type=float, default=10.0)
+    parser.add_argument("--quick", action="store_true", help="15 s per load instead of --seconds")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--load", default="node,fleet",
+                        help="comma-separated: node (8 ranks, a scrape every 15 s), fleet (64 ranks, every 5 s), "
+                             "or RANKSxSECONDS (0 seconds: no scrapes)")
     parser.add_argument("--no-nvml", dest="nvml", action="store_false", help="an agent without the NVML collector")
-    parser.add_argument("--baseline", action="store_true",
-                        help="after each configuration, the same load on bench/bare_agent.py (the server alone)")
     parser.add_argument("--hostile", type=float, default=0.0, metavar="SECONDS",
                         help="a bounded hostile load beside the ranks (hostile_load), started SECONDS before the "
                              "measurement so that it has filled what the bounds let it fill (40 does)")
-    parser.add_argument("--transport", default="stream",
-                        help="comma-separated: stream (Patrol's default) and/or request (a POST per push)")
     args = parser.parse_args()
-    seconds = args.seconds or (5.0 if args.quick else 30.0)
+    seconds = 15.0 if args.quick else args.seconds
     template = patrol_snapshot()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for transport in args.transport.split(","):
-            for ranks in (int(x) for x in args.ranks.split(",")):
-                result = measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp), args.nvml,
-                                 hostile=args.hostile)
-                results.append(result)
-                if args.baseline:  # the same load on the bare server, straight after
-                    bare = measure(ranks, seconds, args.scrape_hz, template, transport, Path(tmp),
-                                   bare_bytes=max(result["exposition_bytes"], 1))
-                    result["cpu_core_share_over_bare"] = round(result["cpu_core_share"] - bare["cpu_core_share"], 4)
-                    results.append(bare)
-    bare_runs = [r for r in results if r["server"] == "bare"]
-    results = [r for r in results if r["server"] == "agent"]
-    met: dict[str, bool] = {}  # a configuration run several times meets a target only if every run does
+        for load in args.load.split(","):
+            ranks, every = LOADS[load] if load in LOADS else (int(load.split("x")[0]), float(load.split("x")[1]))
+            result = measure(ranks, seconds, every, template, Path(tmp), args.nvml, hostile=args.hostile)
+            results.append({"load": load, **result})
+    met = {}
     for r in results:
         checks = {"rss_mb": r["rss_mb_peak"] <= TARGETS["rss_mb"]}
-        if r["scrapes"]:
-            checks["p99_ms"] = r["scrape_ms_p99"] <= TARGETS["p99_ms"]
-        if r["ranks"] == 64 and r["nvml"] and r["scrape_hz"] == 10.0 and "hostile_answers" not in r:
-            checks["cpu_core_share"] = r["cpu_core_share"] <= TARGETS["cpu_core_share_at_64"]
-        for name, ok in checks.items():
-            key = f"{name}_at_{r['ranks']}_{r['transport']}"
-            met[key] = met.get(key, True) and ok
+        load = r["load"]
+        if r["nvml"] and "hostile_answers" not in r:
+            cpu_target = TARGETS["cpu_core_share"].get(load)  # type: ignore[attr-defined]
+            if cpu_target is not None:
+                checks["cpu_core_share"] = r["cpu_core_share"] <= cpu_target
+            p99_target = TARGETS["p99_ms"].get(load)  # type: ignore[attr-defined]
+            if p99_target is not None and r["scrapes"]:
+                checks["p99_ms"] = r["scrape_ms_p99"] <= p99_target
+        met.update({f"{name}_{load}": ok for name, ok in checks.items()})
     report = {
         "bench": "scrape",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "setup": {"gpus": 8 if args.nvml else 0, "nvml_fake_delays_seconds": DELAYS, "nvml_pcie": args.nvml,
-                  "nvml_interval_seconds": 1.0,
-                  "push_hz_per_rank": 1.0, "steps_per_push": 30, "scrape_hz": args.scrape_hz,
-                  "seconds_per_config": seconds, "hostile": args.hostile,
+                  "nvml_interval_seconds": 1.0, "push_hz_per_rank": 1.0, "steps_per_push": 30,
+                  "seconds_per_load": seconds, "hostile": args.hostile,
                   "samples_per_push": len(template["samples"]), "push_bytes": len(json.dumps(template))},
         "results": results,
-        "bare_server_results": bare_runs,
         "targets": TARGETS,
         "met": met,
     }

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from exposition_check import assert_clean, assert_openmetrics_clean, value
+from exposition_check import assert_as_generate_latest, assert_clean, assert_openmetrics_clean, value
 from fake_clock import Clock
 from trainpatrol.agent.store import RankStore
 from trainpatrol.collectors.ranks import RankCollector
@@ -144,8 +144,10 @@ def test_the_body_comes_as_openmetrics_or_gzipped_when_asked_and_as_text_by_defa
     assert_clean(plain.data)
     assert b'trainpatrol_step_total{rank="0",run="r1"} 3.0\n' in plain.data
     prometheus = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-                  "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus 2.42 asks for
-    om = registry.body(prometheus)
+                  "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus 2.42 asks for: the text format
+    assert registry.body(prometheus) is plain
+    assert_as_generate_latest(plain.data)
+    om = registry.body("application/openmetrics-text")
     assert om.content_type.startswith("application/openmetrics-text; version=1.0.0")
     assert_openmetrics_clean(om.data)
     assert b"# TYPE trainpatrol_step counter\n" in om.data

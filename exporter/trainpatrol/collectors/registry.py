@@ -2,10 +2,11 @@
 
 Each collector is a prometheus_client collector (``collect()``) that also says, cheaply, when it would
 give something new (``version()``). A collector is collected again only when its version moved, a
-failing one gives nothing and fails no scrape, and the body is written by prometheus_client (the
-text format, or OpenMetrics when the scraper asks for it; gzip when accepted), once per format for
-each state of the collectors. Emits ``trainpatrol_collector_success{collector}`` and
-``trainpatrol_collector_duration_seconds{collector}``.
+failing one gives nothing and fails no scrape, and the body is written once per format for each
+state of the collectors: the text format (collectors.text_format, as ``generate_latest`` writes it)
+to every scraper that accepts it, Prometheus included; OpenMetrics, by prometheus_client, to one
+that asks for OpenMetrics alone; gzip when accepted. Emits ``trainpatrol_collector_success{collector}``
+and ``trainpatrol_collector_duration_seconds{collector}``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, gzip_accepted
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from ..catalogue import BY_NAME
+from .text_format import text_format
 
 log = logging.getLogger(__name__)
 _SUCCESS, _DURATION = "trainpatrol_collector_success", "trainpatrol_collector_duration_seconds"
@@ -45,6 +48,13 @@ class _Part:
     seconds: float
 
 
+def wants_openmetrics(accept: str) -> bool:
+    """OpenMetrics only for a scraper that does not take the text format: the text format is written
+    in a third of the time (docs/benchmarks.md), and Prometheus takes either."""
+    types = {part.split(";")[0].strip().lower() for part in accept.split(",")}
+    return "application/openmetrics-text" in types and not types & {"text/plain", "text/*", "*/*"}
+
+
 @dataclass(frozen=True)
 class Body:
     data: bytes
@@ -64,7 +74,8 @@ class Registry:
 
     def body(self, accept: str = "", accept_encoding: str = "") -> Body:
         """The body for a scrape with these ``Accept`` and ``Accept-Encoding`` headers."""
-        encoder, content_type = choose_encoder(accept)
+        om = wants_openmetrics(accept)
+        content_type = openmetrics.CONTENT_TYPE_LATEST if om else CONTENT_TYPE_PLAIN_0_0_4
         gzipped = gzip_accepted(accept_encoding)
         with self._lock:
             if self._refresh():
@@ -72,7 +83,7 @@ class Registry:
             key = (content_type, gzipped)
             body = self._bodies.get(key)
             if body is None:
-                data = encoder(self)
+                data = openmetrics.generate_latest(self) if om else text_format(self.collect())
                 body = self._bodies[key] = Body(gzip.compress(data, 6) if gzipped else data, content_type, gzipped)
             return body
 
