@@ -79,13 +79,13 @@ def serve(config: AgentConfig) -> None:
             return True
         return False
 
-    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds,
-                              config.max_header_bytes)
+    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds)
     log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
     try:
         protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
-        server = QuietServer(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
+        server = QuietServer(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol, ws="none",
                                             log_level=config.log_level, access_log=False,
+                                            h11_max_incomplete_event_size=config.max_header_bytes,
                                             timeout_keep_alive=int(config.keep_alive_seconds) or 1,
                                             timeout_graceful_shutdown=2), should_stop=idle_too_long)
         with contextlib.suppress(KeyboardInterrupt):
