@@ -2,7 +2,7 @@
 
 ``bench/scrape.py --baseline`` runs this next to the agent, under the same load. It reads and drops
 every push-stream chunk, answers ``/metrics`` with a fixed body as large as the agent's, and nothing
-else, on the agent's own server class and settings (uvloop, httptools, agent/quiet_server.py). What
+else, on the agent's own server and settings (uvloop, uvicorn's h11 protocol, uvicorn.Server). What
 the agent costs above it is the agent's own work; the rest is the HTTP server and the machine's
 wake-ups, which change from hour to hour on a VM.
 
@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import uvicorn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
-
-from trainpatrol.agent.quiet_server import QuietServer
 
 Scope = dict[str, Any]
 
@@ -73,8 +67,8 @@ def main() -> None:
     args = parser.parse_args()
     line = b"trainpatrol_bare_sample{rank=\"0\",run=\"bench\"} 1.0\n"
     body = (line * (args.body_bytes // len(line) + 1))[: args.body_bytes]
-    QuietServer(uvicorn.Config(bare_app(body), host="127.0.0.1", port=args.port, log_level="warning",
-                               access_log=False, timeout_graceful_shutdown=2)).run()
+    uvicorn.Server(uvicorn.Config(bare_app(body), host="127.0.0.1", port=args.port, http="h11", ws="none",
+                                  log_level="warning", access_log=False, timeout_graceful_shutdown=2)).run()
 
 
 if __name__ == "__main__":
