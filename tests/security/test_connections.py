@@ -127,6 +127,14 @@ def test_silent_slow_header_and_slow_body_connections_are_closed_after_their_tim
         assert all(_closed_by_peer(s, 2.0) for group in opened.values() for s in group if s)
         metrics = raw(port, "GET", "/metrics", f"127.0.0.1:{port}")[1]["text"]
         assert 'trainpatrol_refused_requests_total{reason="header_timeout"} 7.0' in metrics
+        # TRANSITIONAL, drop with /v1/push/stream: a stream writing twice a second outlives the body timeout
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(f"POST /v1/push/stream HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                      "Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+            for _ in range(5):
+                s.sendall(b"1\r\n\n\r\n")  # an empty line: the stream's keep-alive
+                assert not _closed_by_peer(s, 0.5)
         assert 'trainpatrol_refused_requests_total{reason="body_timeout"} 5.0' in metrics
         for group in opened.values():
             for s in group:

@@ -38,6 +38,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 log = logging.getLogger(__name__)
+STREAM_PATH = "/v1/push/stream"
+"""TRANSITIONAL, drop with the push stream: its body never ends, so it has no body deadline."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
                 self.timer = None
             if state is h11.ERROR:  # uvicorn answered 400 (headers past max_header_bytes, say) and closes
                 refused("malformed")
-            elif state in deadlines:
+            elif state in deadlines and not (state is h11.SEND_BODY and self.http.scope["path"] == STREAM_PATH):
                 seconds, reason = deadlines[state]
                 self.timer = self.http.loop.call_later(seconds, self.expire, reason)
 
