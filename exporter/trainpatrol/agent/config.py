@@ -91,12 +91,17 @@ class AgentConfig:
     body blocks the event loop for its size (a 0.9 MB one about 40 ms), so this bound also bounds that."""
     max_request_bytes: int = 1_000_000
     """Any other request body: the webhook (a group of hundreds of alerts) and the control API."""
-    # Connections (agent.connections): a slow or silent peer cannot hold a descriptor for long.
+    # Connections: a slow or silent peer cannot hold a descriptor for long (docs/security.md).
     max_connections: int = 256
+    """Ours (agent.connections): over it, the stalest connection waiting on its peer is closed."""
     header_timeout_seconds: float = 10.0
+    """Ours: a request's headers must be in this long after the connection opened or the request began."""
     body_timeout_seconds: float = 10.0
+    """Ours: a request's body must be in this long after its headers."""
     max_header_bytes: int = 65_536
+    """uvicorn's ``h11_max_incomplete_event_size``: unfinished headers past it are answered 400."""
     keep_alive_seconds: float = 5.0
+    """uvicorn's ``timeout_keep_alive`` (whole seconds): an idle connection after an answer is closed."""
     log_level: str = "info"
     exit_when_idle_seconds: float = 0.0
     """Exit when no rank has pushed for this long (0: never). An embedded agent runs detached from the

@@ -1,20 +1,25 @@
-"""Connection limits uvicorn lacks: header and body timeouts, and a cap on open connections.
+"""What uvicorn lacks: a deadline for a request to come in, and a cap on open connections.
 
-uvicorn closes a kept-alive connection that stays idle after a response, but not one that never
-sends a request, sends its headers a byte at a time, or never finishes its body: about 1,100 such
-connections under ``ulimit -n 1024`` made every new one fail, /healthz and scrapes included. Here:
+uvicorn's own settings do the rest (agent/server.py): ``h11_max_incomplete_event_size`` answers 400
+to headers past ``max_header_bytes``, ``timeout_keep_alive`` closes a connection left idle after an
+answer. But uvicorn sets no timer while a request is coming in (not on a connection that opens and
+sends nothing, nor while headers or a body trickle in), and it accepts connections until descriptors
+run out; ``limit_concurrency`` closes none, it answers 503 to every request, /healthz too, once silent
+connections fill it. About 1,100 such connections under ``ulimit -n 1024`` made every new one fail.
+Here:
 
-- a request's headers must be in within ``header_timeout`` of the connection opening (or of the
-  last response), and be at most ``max_header_bytes`` (httptools sets no limit); its body must be in
-  within ``body_timeout`` of its headers; the push stream's body
-  never ends, and its own idle timeout (agent.push_stream) lets a silent one go;
+- a request must be in within ``header_timeout`` of the connection opening (or of its first byte
+  after an answer; the silence before is ``timeout_keep_alive``'s), its body within
+  ``body_timeout`` of its headers;
 - over ``max_connections``, the connection that has sent nothing for longest is closed to make room,
-  unless the agent is answering its request (then the next stalest; the new one when all are being
-  answered). A flood of silent or slow connections thus gives way to the next scrape, and a rank's
-  stream, which writes about once a second, is never the stalest.
+  unless its request is in and being answered (then the next stalest; the new one when all are). A
+  flood of silent or slow connections thus gives way to the next scrape, and a rank, which writes
+  about once a second, is never the stalest.
 
-Each is counted in ``trainpatrol_refused_requests_total{reason}`` (header_timeout, header_too_large,
-body_timeout, connections). ``raise_open_files_limit`` lifts the soft RLIMIT_NOFILE to the hard one at start.
+Each is counted in ``trainpatrol_refused_requests_total{reason}`` (header_timeout, body_timeout,
+connections; malformed for uvicorn's 400). ``Guard`` wraps uvicorn's h11 protocol rather than
+subclassing it: it passes the ``asyncio.Protocol`` calls through and reads the parser's public state
+(h11's ``their_state``) after each, so no uvicorn method is overridden.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ import logging
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import h11
+from uvicorn import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 log = logging.getLogger(__name__)
-STREAM_PATH = "/v1/push/stream"
 
 
 @dataclass(frozen=True)
@@ -36,95 +44,77 @@ class ConnectionLimits:
     max_connections: int = 256
     header_timeout: float = 10.0
     body_timeout: float = 10.0
-    max_header_bytes: int = 65_536
 
 
-def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with ``limits``; ``refused(reason)`` counts each connection let go."""
+def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol under ``limits``; ``refused(reason)`` counts each connection let go."""
+    live: set[Guard] = set()
+    deadlines = {h11.IDLE: (limits.header_timeout, "header_timeout"),
+                 h11.SEND_BODY: (limits.body_timeout, "body_timeout")}
 
-    class Guarded(HttpToolsProtocol):
-        _timer: asyncio.TimerHandle | None = None
-        _heard = 0.0
-        """When the peer last sent something."""
-        _answering = False
-        """A whole request is in and the agent works on its answer."""
-        _header_bytes: int | None = 0
-        """Bytes received since the request began, while its headers are not complete (None after)."""
-        _body_in = _answered = False
-        """This request's body is all in; its answer is all out. The answer may come first (a 413 by
-        Content-Length): the next request begins once both are done."""
+    class Guard(asyncio.Protocol):
+        def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                     _loop: asyncio.AbstractEventLoop | None = None) -> None:
+            self.http = H11Protocol(config, server_state, app_state, _loop)
+            self.heard = self.http.loop.time()
+            """When the peer last sent something."""
+            self.timed: object = None
+            """The peer's state whose deadline runs (or ran out, or has none)."""
+            self.timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._heard = self.loop.time()
-            if len(self.connections) > limits.max_connections:
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.http.connection_made(transport)  # type: ignore[arg-type]
+            live.add(self)
+            if len(live) > limits.max_connections:
                 refused("connections")
-                victim = min((c for c in self.connections if c is not self and not getattr(c, "_answering", True)),
-                             key=lambda c: getattr(c, "_heard", 0.0), default=self)
-                victim.transport.close()
+                victim = min((g for g in live if g is not self and g.http.conn.their_state is not h11.DONE),
+                             key=lambda g: g.heard, default=self)
+                victim.http.transport.close()
                 if victim is self:
                     return
-            self._arm(limits.header_timeout, "header_timeout")
+            self.watch()
 
         def data_received(self, data: bytes) -> None:
-            self._heard = self.loop.time()
-            if self._header_bytes is not None:
-                self._header_bytes += len(data)
-            super().data_received(data)
-            # still in the headers after parsing this chunk (a chunk that ends them sets None)
-            if self._header_bytes is not None and self._header_bytes > limits.max_header_bytes \
-                    and not self.transport.is_closing():
-                refused("header_too_large")
-                self.transport.close()
+            self.heard = self.http.loop.time()
+            self.http.data_received(data)
+            self.watch()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
+            live.discard(self)
+            if self.timer is not None:
+                self.timer.cancel()
+            self.http.connection_lost(exc)
 
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            self._header_bytes, self._body_in, self._answered = None, False, False
-            super().on_headers_complete()
-            if self.scope.get("path") != STREAM_PATH:
-                self._arm(limits.body_timeout, "body_timeout")
+        def eof_received(self) -> None:
+            self.http.eof_received()
 
-        def on_message_complete(self) -> None:
-            self._disarm()
-            self._body_in = True
-            if self._answered:
-                self._next_request()
-            else:
-                self._answering = True
-            super().on_message_complete()
+        def pause_writing(self) -> None:
+            self.http.pause_writing()
 
-        def on_response_complete(self) -> None:
-            self._answered = True
-            self._answering = False
-            if self._body_in:
-                self._next_request()
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm(limits.header_timeout, "header_timeout")
+        def resume_writing(self) -> None:
+            self.http.resume_writing()
 
-        def _next_request(self) -> None:
-            self._header_bytes = 0
+        def watch(self) -> None:
+            """(Re)starts the deadline when the peer's state changed: a request begun, its headers in."""
+            state = self.http.conn.their_state
+            if state is self.timed:
+                return
+            self.timed = state
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            if state is h11.ERROR:  # uvicorn answered 400 (headers past max_header_bytes, say) and closes
+                refused("malformed")
+            elif state in deadlines:
+                seconds, reason = deadlines[state]
+                self.timer = self.http.loop.call_later(seconds, self.expire, reason)
 
-        def _arm(self, seconds: float, reason: str) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(seconds, self._expire, reason)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _expire(self, reason: str) -> None:
-            self._timer = None
-            if not self.transport.is_closing():
+        def expire(self, reason: str) -> None:
+            if not self.http.transport.is_closing():
                 refused(reason)
-                self.transport.close()
+                self.http.transport.close()
 
-    return Guarded
+    return Guard
 
 
 def raise_open_files_limit() -> int:

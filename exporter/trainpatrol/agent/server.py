@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -16,7 +18,6 @@ import uvicorn
 from .app import Agent
 from .config import AgentConfig, fake_module
 from .connections import ConnectionLimits, guarded_protocol, raise_open_files_limit
-from .quiet_server import QuietServer
 
 log = logging.getLogger(__name__)
 STARTUP_FAILURE = 3
@@ -69,30 +70,36 @@ def serve(config: AgentConfig) -> None:
     gc.freeze()
     gc.set_threshold(10_000, 50, 100)
     log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)
-    idle = config.exit_when_idle_seconds
-    if idle:
-        log.info("exits when no rank has pushed for %g s", idle)
-
-    def idle_too_long() -> bool:
-        if idle and agent.idle_for() > idle:
-            log.info("no rank has pushed for %g s: exiting", idle)
-            return True
-        return False
-
-    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds,
-                              config.max_header_bytes)
+    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds)
     log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
+    done = threading.Event()
     try:
         protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
-        server = QuietServer(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
-                                            log_level=config.log_level, access_log=False,
-                                            timeout_keep_alive=int(config.keep_alive_seconds) or 1,
-                                            timeout_graceful_shutdown=2), should_stop=idle_too_long)
+        server = uvicorn.Server(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
+                                               ws="none", log_level=config.log_level, access_log=False,
+                                               h11_max_incomplete_event_size=config.max_header_bytes,
+                                               timeout_keep_alive=int(config.keep_alive_seconds) or 1,
+                                               timeout_graceful_shutdown=2))
+        if config.exit_when_idle_seconds:
+            log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
+            threading.Thread(target=stop_when_idle, args=(server, agent.idle_for, config.exit_when_idle_seconds, done),
+                             name="trainpatrol-idle", daemon=True).start()
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
         if not server.started:  # the port was taken, say: fail as uvicorn.run does
             raise SystemExit(STARTUP_FAILURE)
     finally:
+        done.set()
         if agent.nvml is not None:
             agent.nvml.stop()
         agent.router.close()
+
+
+def stop_when_idle(server: uvicorn.Server, idle_for: Callable[[], float], seconds: float,
+                   done: threading.Event) -> None:
+    """Asks ``server`` to exit once no rank has pushed for ``seconds``; sleeps until then, or until ``done``."""
+    while not done.wait(max(seconds - idle_for(), 0.0) + 0.05):
+        if idle_for() > seconds:
+            log.info("no rank has pushed for %g s: exiting", seconds)
+            server.should_exit = True
+            return
