@@ -53,8 +53,12 @@ class RankCollector:
     """Families in catalogue order, the ranks in order within each; labels sorted by name, as the
     text format has always written them."""
 
-    def __init__(self, source: RankSource) -> None:
+    def __init__(self, source: RankSource, max_series: int = 200_000) -> None:
         self._source = source
+        self._labels: dict[tuple[object, ...], dict[str, str]] = {}
+        """Each series' labels, sorted, kept from scrape to scrape: a rank pushes the same series every
+        second, and building them again was most of a scrape. Cleared when past ``max_series``."""
+        self._max_series = max_series
 
     def version(self) -> Hashable:
         return self._source.state()
@@ -63,20 +67,34 @@ class RankCollector:
         rows = self._source.rows()
         families = {spec.name: spec.family() for spec in RANK_METRICS}
         liveness = [spec.family() for spec in _LIVENESS]
+        if len(self._labels) > self._max_series:
+            self._labels.clear()
+        labels_of = self._labels
         for row in rows:
-            snap, base = row.snapshot, rank_labels(row.snapshot)
+            snap = row.snapshot
+            rank = (snap.run, snap.rank, *(getattr(snap, k) for k in WORKLOAD_LABELS))
+            base: dict[str, str] | None = None
             for s in snap.samples:
+                key = (rank, s.name, *s.labels.items())
+                labels = labels_of.get(key)
+                if labels is None:
+                    base = base or rank_labels(snap)
+                    labels = labels_of[key] = _sorted(base | s.labels)
                 fam = families[s.name]
-                value = 1.0 if fam.type == "info" else s.value
-                fam.add_sample(s.name, _sorted(base | s.labels), value)
+                fam.add_sample(s.name, labels, 1.0 if fam.type == "info" else s.value)
+            plain = labels_of.get(rank)
+            if plain is None:
+                plain = labels_of[rank] = _sorted(rank_labels(snap))
             if snap.histogram is not None:
                 fam, counts = families[_HISTOGRAM], snap.histogram.counts
                 for le, count in zip(_BOUNDS, counts, strict=True):
-                    fam.add_sample(_HISTOGRAM + "_bucket", _sorted(base | {"le": le}), count)
-                plain = _sorted(base)
+                    key = (rank, le)
+                    labels = labels_of.get(key)
+                    if labels is None:
+                        labels = labels_of[key] = _sorted(plain | {"le": le})
+                    fam.add_sample(_HISTOGRAM + "_bucket", labels, count)
                 fam.add_sample(_HISTOGRAM + "_count", plain, counts[-1])
                 fam.add_sample(_HISTOGRAM + "_sum", plain, snap.histogram.sum)
-            plain = _sorted(base)
             for fam, value in zip(liveness, (1.0 if row.up else 0.0, row.last_push, row.last_step_advance),
                                   strict=True):
                 fam.add_sample(fam.name, plain, value)
