@@ -9,7 +9,7 @@ import pytest
 
 from exposition_check import text, value
 from fake_clock import T0, Clock
-from trainpatrol.agent.bounds import Bounds, Refused
+from trainpatrol.agent.limits import Bounds, Refused
 from trainpatrol.agent.store import RankStore, WrongRunKey
 from trainpatrol.collectors.ranks import RankCollector
 from trainpatrol.protocol import RankSnapshot

@@ -353,7 +353,7 @@ def test_router_deployment_and_service() -> None:
 
 
 def test_agents_and_router_answer_to_their_pod_ip_node_ip_and_service_names_only() -> None:
-    """The Host check (agent.edge): Prometheus and probes use the pod IP, ranks the node IP (hostPort),
+    """The Host check (agent.auth): Prometheus and probes use the pod IP, ranks the node IP (hostPort),
     Alertmanager the router Service's name; each of them must be an allowed host, and nothing else."""
     docs = _render_ci("default-values.yaml")
     peers = one(docs, "Service", "agent-peers")["metadata"]["name"]

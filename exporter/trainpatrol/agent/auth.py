@@ -1,22 +1,46 @@
-"""Bearer-token checks: constant-time comparison, namespace scopes, loopback exemption for pushes only.
+"""Who may do what: tokens, the Host check, and the run keys that prove a push speaks for its run.
 
-The agent token reaches every namespace; a ``namespace_tokens`` entry reaches its namespace alone.
-Who may push into a run is decided apart from this, by the run's key (agent.run_keys)."""
+- **Tokens.** Bearer tokens compared in constant time; the agent token reaches every namespace, a
+  ``namespace_tokens`` entry its namespace alone. Pushes from loopback need none.
+- **The edge** (``Edge``), in plain ASGI before any route. Host: every route answers only to loopback
+  names (``localhost``, ``127.0.0.1``, ``[::1]``, any port), the bind address and ``allowed_hosts``;
+  any other Host header gets 421, so a web page whose name an attacker rebinds to 127.0.0.1 reaches
+  nothing. Token: with a token configured, every route but the push (checked by its route),
+  ``/healthz`` and ``/metrics`` needs it, reads included, since runs, alerts and NVML name hosts,
+  checkpoint paths and pending commands; ``/metrics`` needs ``metrics_token`` when one is set.
+  Without a token (a loopback agent), requests that change state must come from loopback. The answer
+  comes before the body is read, so a wrong token costs no body. Refusals are counted in
+  ``trainpatrol_refused_requests_total{reason}`` (host, unauthorized).
+- **Run keys** (``RunKeys``). A rank proves its run's key (``X-Trainpatrol-Run-Key``, probe.run_key)
+  with every push; its acknowledgements of commands travel in the same push. The first push of a
+  (namespace, run) that carries a key binds it; once bound, pushes without it are refused, so no
+  other process can push as a rank of the run, mark its commands done or raise alerts for it. A run
+  whose pushes carry no key binds none (older probes). The agent keeps a digest, never the key, and
+  forgets it with the run's last series; a run whose ranks all closed or stopped takes the next key
+  that comes (a relaunch under the same name).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
+from starlette.types import ASGIApp, Receive, Send
+from starlette.types import Scope as AsgiScope
 
 from .config import AgentConfig, is_loopback
-from .run_keys import RUN_KEY_HEADER, digest
+from .problems import PUSH_PATHS
+from .stats import AgentStats
 
 
 @dataclass(frozen=True)
-class Scope:
-    """The namespaces a caller may act on or push into; ``None``: every one."""
+class Reach:
+    """How far a token reaches: the namespaces a caller may act on or push into; ``None``: every one."""
 
     namespaces: frozenset[str] | None = None
 
@@ -24,14 +48,14 @@ class Scope:
         return self.namespaces is None or namespace in self.namespaces
 
 
-EVERY = Scope()
+EVERY = Reach()
 
 
 @dataclass(frozen=True)
 class PushProof:
     """What a push request showed: the namespaces its token reaches, and the digest of its run key."""
 
-    scope: Scope
+    scope: Reach
     key: bytes
 
 
@@ -55,21 +79,21 @@ def token_ok(expected: str, presented: str) -> bool:
     return bool(expected) and hmac.compare_digest(expected.encode("utf-8"), raw)
 
 
-def scope_of(config: AgentConfig, presented: str) -> Scope | None:
+def scope_of(config: AgentConfig, presented: str) -> Reach | None:
     """What a presented token reaches, or None for no valid token. Every entry is compared, so the
     time taken does not tell which one matched."""
     every = token_ok(config.token, presented)
     namespaces = frozenset(ns for ns, token in config.namespace_tokens.items() if token_ok(token, presented))
     if every:
         return EVERY
-    return Scope(namespaces) if namespaces else None
+    return Reach(namespaces) if namespaces else None
 
 
 def client_is_loopback(request: Request) -> bool:
     return request.client is not None and is_loopback(request.client.host)
 
 
-def require_control(request: Request, config: AgentConfig) -> Scope:
+def require_control(request: Request, config: AgentConfig) -> Reach:
     """Control and webhooks: a token when one is configured, else loopback callers only."""
     if config.token or config.namespace_tokens:
         scope = scope_of(config, _presented(request))
@@ -92,3 +116,158 @@ def push_proof(request: Request, config: AgentConfig) -> PushProof:
     if scope is None:
         raise HTTPException(401, PUSH_REFUSED, headers={"WWW-Authenticate": "Bearer"})
     return PushProof(scope, digest(request.headers.get(RUN_KEY_HEADER, "")))
+
+
+RUN_KEY_HEADER = "x-trainpatrol-run-key"
+RunId = tuple[str, str]
+"""(namespace, run)."""
+
+
+def digest(key: str) -> bytes:
+    """Of the key as sent; empty for no key. The header is latin-1 on the wire, as ASGI gives it."""
+    return hashlib.sha256(key.encode("latin-1", "replace")).digest() if key else b""
+
+
+class RunKeys:
+    """Not thread-safe: RankStore calls it under its lock."""
+
+    def __init__(self) -> None:
+        self._bound: dict[RunId, bytes] = {}
+
+    def admit(self, run: RunId, key_digest: bytes, ended: Callable[[RunId], bool]) -> bool:
+        """Whether a push with this key may speak for ``run``; binds the key if the run has none, or
+        if ``ended(run)`` says every rank of the run closed or stopped: a run relaunched under the same
+        name comes with a new key, and must not wait for the old series to expire."""
+        bound = self._bound.get(run)
+        if bound is not None and key_digest and hmac.compare_digest(bound, key_digest):
+            return True
+        if bound is None or (key_digest and ended(run)):
+            if key_digest:
+                self._bound[run] = key_digest
+            return True
+        return False
+
+    def keep_only(self, runs: set[RunId]) -> None:
+        """Forget the keys of runs that have no series left."""
+        for run in [r for r in self._bound if r not in runs]:
+            del self._bound[run]
+
+
+OPEN = frozenset({"/healthz"})
+UNAUTHORIZED = "Missing or wrong bearer token."
+LOOPBACK_ONLY = "No token is configured, so only loopback callers may use the control API."
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def host_name(header: str) -> str | None:
+    """The name in a Host header value (``name``, ``name:port``, ``[v6]:port``), lower-cased; None if malformed."""
+    if header.startswith("["):
+        name, _, rest = header[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else rest
+        if rest and not rest.startswith(":"):
+            return None
+    else:
+        name, _, port = header.partition(":")
+    if (port and not (port.isdigit() and len(port) <= 5)) or not name or ":" in port:
+        return None
+    return name.lower()
+
+
+class HostCheck:
+    """Is a Host header value one of this agent's names? Answers are remembered: a few names repeat."""
+
+    def __init__(self, bind_host: str, allowed: tuple[str, ...]) -> None:
+        names = {_configured(h) for h in (*allowed, bind_host) if h.strip()}
+        self.names = frozenset(n for n in names if n and n not in _WILDCARDS)
+        self._known: dict[bytes, bool] = {}
+
+    def __call__(self, header: bytes) -> bool:
+        known = self._known.get(header)
+        if known is None:
+            known = self._decide(header.decode("latin-1"))
+            if len(self._known) < 256:  # bounded: an attacker may send many names
+                self._known[header] = known
+        return known
+
+    def _decide(self, header: str) -> bool:
+        name = host_name(header)
+        if name is None:
+            return False
+        if name in self.names or name == "localhost":
+            return True
+        try:
+            ip = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return ip.is_loopback or str(ip) in self.names  # an IPv6 address may be written several ways
+
+
+def _configured(entry: str) -> str:
+    """A configured name or address as ``HostCheck`` compares it: an IP address (IPv6 with or without
+    brackets) in its canonical form, a name lower-cased without a port."""
+    try:
+        return str(ipaddress.ip_address(entry.strip().strip("[]")))
+    except ValueError:
+        return host_name(entry.strip()) or ""
+
+
+class Edge:
+    """ASGI middleware: the Host check on every request, then the token gate (module docstring)."""
+
+    def __init__(self, app: ASGIApp, *, hosts: HostCheck, stats: AgentStats, config: AgentConfig) -> None:
+        self.app, self.hosts, self.stats = app, hosts, stats
+        self.config, self.metrics_token = config, config.metrics_token
+
+    async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await _refuse(send, *refusal)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: AsgiScope) -> tuple[int, str, bool] | None:
+        """(status, detail, ask for a bearer token) for a request refused here, else None."""
+        host, authorization = b"", b""
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value
+            elif name == b"authorization":
+                authorization = value
+        if not self.hosts(host):
+            self.stats.count("refusals", "host")
+            shown = host.decode("latin-1")
+            return 421, (f"Host {shown!r} is not this agent's: DNS rebinding is refused. Add the name to "
+                         "allowed_hosts (TRAINPATROL_ALLOWED_HOSTS) if it is one of ours."), False
+        path = scope["path"]
+        if path in PUSH_PATHS or path in OPEN:
+            return None
+        presented = bearer(authorization.decode("latin-1"))
+        cfg = self.config
+        if path == "/metrics":
+            if not self.metrics_token or token_ok(self.metrics_token, presented):
+                return None
+        elif cfg.token or cfg.namespace_tokens:
+            # reads list every namespace's runs and alerts: the agent's token only; a namespace's token
+            # reaches that namespace's actions and webhooks, which their routes hold to it (agent.auth)
+            reads = scope["method"] in ("GET", "HEAD")
+            if token_ok(cfg.token, presented) if reads else scope_of(cfg, presented) is not None:
+                return None
+        else:
+            client = scope.get("client")
+            if scope["method"] in ("GET", "HEAD") or (client is not None and is_loopback(client[0])):
+                return None
+            self.stats.count("refusals", "unauthorized")
+            return 401, LOOPBACK_ONLY, False
+        self.stats.count("refusals", "unauthorized")
+        return 401, UNAUTHORIZED, True
+
+
+async def _refuse(send: Send, status: int, detail: str, challenge: bool) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    if challenge:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

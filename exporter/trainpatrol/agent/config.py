@@ -93,7 +93,7 @@ class AgentConfig:
     """Any other request body: the webhook (a group of hundreds of alerts) and the control API."""
     # Connections: a slow or silent peer cannot hold a descriptor for long (docs/security.md).
     max_connections: int = 256
-    """Ours (agent.connections): over it, the stalest connection waiting on its peer is closed."""
+    """Ours (agent.limits): over it, the stalest connection waiting on its peer is closed."""
     header_timeout_seconds: float = 10.0
     """Ours: a request's headers must be in this long after the connection opened or the request began."""
     body_timeout_seconds: float = 10.0

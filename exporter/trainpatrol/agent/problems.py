@@ -35,9 +35,9 @@ class Problem(BaseModel):
 
 _DOCUMENTED = {400: "Body not readable (not UTF-8 JSON)", 401: "Token missing or wrong",
                403: "Action not in the allow-list, or a namespace the token does not reach", 404: "Unknown run",
-               413: "Request body too large", 421: "Host header not one of this agent's names (agent.edge)",
+               413: "Request body too large", 421: "Host header not one of this agent's names (agent.auth)",
                422: "Malformed request",
-               429: "Over one of the agent's bounds (agent.bounds), or the run's actions of this kind per minute "
+               429: "Over one of the agent's bounds (agent.limits), or the run's actions of this kind per minute "
                     "are used up (Retry-After)",
                503: "An alert for a run on a peer could not be delivered; Alertmanager re-sends it"}
 
@@ -145,3 +145,13 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
     return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def no_live_rank(run: str, namespace: str = "") -> str:
+    """The refusal of a command that no rank of ``run`` could carry out (the CLI prints it as it is)."""
+    return f"no live rank of run {run}{f' in namespace {namespace}' if namespace else ''} on this agent"
+
+
+def rate_limited(run: str, namespace: str, action: str, limit: int) -> str:
+    where = f" in namespace {namespace!r}" if namespace else ""
+    return f"Run {run!r}{where} had {limit} {action} actions in the last 60 s, the limit; retry later."

@@ -17,7 +17,7 @@ import uvicorn
 
 from .app import Agent
 from .config import AgentConfig, fake_module
-from .connections import ConnectionLimits, guarded_protocol, raise_open_files_limit
+from .limits import ConnectionLimits, guarded_protocol, raise_open_files_limit
 
 log = logging.getLogger(__name__)
 STARTUP_FAILURE = 3
@@ -92,7 +92,7 @@ def serve(config: AgentConfig) -> None:
         done.set()
         if agent.nvml is not None:
             agent.nvml.stop()
-        agent.router.close()
+        agent.peers.close()
 
 
 def stop_when_idle(server: uvicorn.Server, idle_for: Callable[[], float], seconds: float,

@@ -10,9 +10,8 @@ from typing import Any, Literal
 
 from ..collectors.ranks import RankRow
 from ..protocol import ActionRecord, Command, RankSnapshot
-from .action_limits import ActionLimits
-from .bounds import Bounds
-from .run_keys import RunId, RunKeys
+from .auth import RunId, RunKeys
+from .limits import ActionLimits, Bounds
 
 COMMAND_TTL_SECONDS = 3600.0
 ENDED_STATES = ("closed", "stopped")
@@ -31,7 +30,7 @@ Enqueued = Literal["queued", "duplicate", "coalesced", "rate_limited"]
 
 
 class WrongRunKey(Exception):
-    """A push for a run whose key it does not carry (agent.run_keys)."""
+    """A push for a run whose key it does not carry (agent.auth)."""
 
     def __init__(self, run: RunId) -> None:
         where = f" in namespace {run[0]!r}" if run[0] else ""

@@ -36,7 +36,7 @@ def _header(name: str, kind: str, help_: str) -> str:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _head(name: str, labels: tuple[tuple[str, str], ...]) -> str:
-    """A series' line up to its value; the cache is bounded (the agent's series are: agent.bounds)."""
+    """A series' line up to its value; the cache is bounded (the agent's series are: agent.limits)."""
     if not labels:
         return name + " "
     block = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)

@@ -1,4 +1,4 @@
-"""The run's key: the secret every push of the run proves to the agent (agent.run_keys).
+"""The run's key: the secret every push of the run proves to the agent (agent.auth).
 
 ``TRAINPATROL_RUN_KEY`` when the launcher or chart gives every rank the same one; otherwise rank 0
 makes one and, under torch.distributed, hands it to the other ranks once, at Patrol's construction

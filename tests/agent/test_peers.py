@@ -27,7 +27,7 @@ from loops import scripted_patrol
 from servers import agent, answer_json, free_port, http_get, http_json, wait_for
 from trainpatrol.agent.alerts import Alert, command_id
 from trainpatrol.agent.config import AgentConfig
-from trainpatrol.agent.router import FORWARDED_HEADER, Router
+from trainpatrol.agent.peers import FORWARDED_HEADER, PeerForwarder
 
 TOKEN = "router-test-token"
 _fingerprints = itertools.count(1)
@@ -294,7 +294,7 @@ def test_dns_peers_are_the_names_addresses_on_the_agents_port_less_the_agent_its
     pod addresses needs a cluster, so its answer is given to getaddrinfo: two peers (one IPv6) and
     this host's own address, as a pod's Service lists the pod itself."""
     own = socket.gethostbyname(socket.gethostname())
-    assert Router(AgentConfig(port=9400, peers_dns="localhost"), lambda _: None).peers() == []
+    assert PeerForwarder(AgentConfig(port=9400, peers_dns="localhost"), lambda _: None).peers() == []
     real = socket.getaddrinfo
 
     def resolve(host: str, port: int, *args: Any, **kwargs: Any) -> list[Any]:
@@ -306,8 +306,8 @@ def test_dns_peers_are_the_names_addresses_on_the_agents_port_less_the_agent_its
         return real(host, port, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
-    router = Router(AgentConfig(host="0.0.0.0", port=9400, peers=("10.0.3.7:9400", "10.0.9.1:9500"),
+    router = PeerForwarder(AgentConfig(host="0.0.0.0", port=9400, peers=("10.0.3.7:9400", "10.0.9.1:9500"),
                                 peers_dns="trainpatrol-peers.jobs.svc"), lambda _: None)
     assert router.peers() == ["10.0.3.7:9400", "10.0.9.1:9500", "[fd00::3:8]:9400"]
-    gone = Router(AgentConfig(port=9400, peers=("10.0.9.1:9500",), peers_dns="gone.jobs.svc"), lambda _: None)
+    gone = PeerForwarder(AgentConfig(port=9400, peers=("10.0.9.1:9500",), peers_dns="gone.jobs.svc"), lambda _: None)
     assert gone.peers() == ["10.0.9.1:9500"]  # the configured peers stand while the name does not resolve

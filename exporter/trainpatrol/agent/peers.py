@@ -1,4 +1,5 @@
-"""Forwards alerts for runs this agent does not host to the peer that does.
+"""The peer forwarder: alerts for runs this agent does not host go to the peer that does (the
+``router`` mode of the agent serves only this).
 
 Only known peers are used (a configured list, or the addresses a DNS name resolves to); forwarded
 payloads carry the token and a marker header, and a forwarded payload is never forwarded again.
@@ -25,7 +26,7 @@ FORWARDED_HEADER = "X-Trainpatrol-Forwarded"
 RUNS_CACHE_SECONDS = 5.0
 
 
-class Router:
+class PeerForwarder:
     def __init__(self, config: AgentConfig, count: Callable[[str], None]) -> None:
         self._config = config
         self._count = count

@@ -1,0 +1,290 @@
+"""The agent's routes: the push, /metrics and /healthz, the run views, the control API and the
+Alertmanager webhook, on one FastAPI application (agent.app wires what they use).
+
+**Pushes** (``POST /v1/push``): a rank's whole snapshot about once a second, on a kept-alive
+connection; the reply carries the commands waiting for the rank. The endpoint takes the ``Request``:
+the body is parsed by ``RankSnapshot.model_validate_json`` and the reply written as bytes, without
+FastAPI's body parsing and response models. A push is answered in this order: 401 without the token
+(pushes from other hosts) or with a wrong one, before the body is read; 422 for another
+Content-Type; 413 over ``max_push_bytes``; 413 for more samples than the bound, before parsing; 422
+invalid; 403 for a run bound to another key or a namespace the token does not reach; 413/422/429
+over a bound (agent.limits). Counted in ``trainpatrol_pushes_total{outcome}``.
+
+**Control.** Every control request answers at once (202) and acts asynchronously: commands wait in
+the store and reach the ranks in the replies to their next push. A command no rank could carry out
+is refused instead: 404 for a run no rank of which ever pushed here, 409 for a run whose ranks all
+closed, stopped or went down ("no live rank of run RUN on this agent"); nothing is queued then. The
+webhook applies the same rule alert by alert, but answers 2xx (Alertmanager re-sends on 5xx and after
+a 4xx): that alert's outcome is ``no_live_rank``. Alerts for runs this agent does not host go to the
+peer that does (agent.peers). A run is (namespace, run): ``/v1/namespaces/{namespace}/runs/{run}/...``,
+and ``/v1/runs/{run}/...`` for the empty namespace. A command of an action that a queued one no rank
+acted on yet already asks for is coalesced into it (202, its id); checkpoints and captures past the
+run's per-minute limit get 429.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fastapi import Body, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from .._version import __version__
+from ..collectors.registry import Registry
+from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot, valid_run
+from .alerts import WebhookPayload, Webhooks
+from .auth import PushProof, push_proof, require_control
+from .config import AgentConfig
+from .limits import Refused
+from .peers import FORWARDED_HEADER
+from .problems import BodyLimit, Problem, documented, invalid, no_live_rank, rate_limited, read_body
+from .stats import AgentStats
+from .store import Enqueued, RankStore
+
+
+class Services(Protocol):
+    """What the routes use of the agent (agent.app.Agent)."""
+
+    config: AgentConfig
+    clock: Callable[[], float]
+    store: RankStore
+    stats: AgentStats
+    registry: Registry
+    webhooks: Webhooks
+    alert_log: deque[dict[str, Any]]
+    nvml: Any
+
+    def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]: ...
+
+    def check_push_body(self, body: bytes) -> None: ...
+
+    def enqueue(self, command: Command) -> tuple[Enqueued, Command]: ...
+
+
+class ActionAccepted(BaseModel):
+    """The answer to an action: queued for the run's live ranks, who hear it with their next push."""
+
+    accepted: bool
+    id: int
+    """The command the ranks will carry out: an earlier one of the same action when ``coalesced``."""
+    run: str
+    namespace: str = ""
+    action: str
+    coalesced: bool = False
+    """A command of the same action that no rank has acted on yet was queued before: it stands for this one."""
+    hosted: bool
+    """Some rank of the run has pushed to this agent (always true when accepted)."""
+    live: bool
+    """Some rank of the run is live: it pushed within the liveness TTL and neither closed nor stopped."""
+    live_ranks: int
+
+
+class NoLiveRank(Problem):
+    """404 or 409 from the actions route: no rank of the run could carry the command out."""
+
+    run: str
+    namespace: str = ""
+    live: bool = False
+    live_ranks: int = 0
+    state: str
+    """The run's state on this agent (``unknown`` when no rank of it pushed here)."""
+
+
+_NO_LIVE_RANK: dict[int | str, dict[str, Any]] = {
+    404: {"model": NoLiveRank, "description": "No rank of the run has pushed to this agent"},
+    409: {"model": NoLiveRank, "description": "No rank of the run is live: all closed, stopped or down"}}
+
+
+JSON = "application/json"
+_EMPTY_REPLY = PushReply().model_dump_json().encode()
+Accept = Callable[[RankSnapshot, PushProof], list[Command]]
+"""Takes a valid snapshot in with what its request proved; returns the commands for the rank, or raises ``Refused``."""
+
+
+def add_push_route(app: FastAPI, config: AgentConfig, stats: AgentStats, accept: Accept,
+                   check_body: Callable[[bytes], None]) -> None:
+    """``check_body`` raises ``Refused`` for a body over a bound before it is parsed (agent.limits)."""
+    limit = config.max_push_bytes
+
+    def proof(request: Request) -> PushProof:
+        try:
+            proven = push_proof(request, config)
+        except HTTPException:
+            stats.count("pushes", "unauthorized")
+            raise
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != JSON:
+            stats.count("pushes", "invalid")
+            raise HTTPException(422, f"Invalid request: body: Content-Type must be {JSON}, not {content_type!r}.")
+        return proven
+
+    @app.post("/v1/push", summary="One rank's snapshot", response_model=PushReply,
+                 responses=documented(400, 401, 403, 413, 422, 429), openapi_extra=_body(JSON))
+    async def push(request: Request) -> Response:
+        proven = proof(request)
+        body = await read_body(request, limit, lambda: stats.count("pushes", "too_large"))
+        try:
+            check_body(body)
+            snapshot = RankSnapshot.model_validate_json(body)
+            commands = accept(snapshot, proven)
+        except ValidationError as exc:
+            stats.count("pushes", "invalid")
+            return JSONResponse(invalid(exc.errors(include_url=False), ("body",)), status_code=422)
+        except Refused as exc:  # PushRefused (403) included; counted by check_body and accept
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        reply = PushReply(commands=commands).model_dump_json().encode() if commands else _EMPTY_REPLY
+        return Response(reply, media_type=JSON)
+
+
+def _body(content_type: str) -> dict[str, Any]:
+    """The request body of the push route, for OpenAPI: a RankSnapshot."""
+    return {"requestBody": {"required": True, "content": {content_type: {"schema": _inlined(RankSnapshot)}}}}
+
+
+def _inlined(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema with its definitions written where they are used: an operation's own
+    schema cannot name the document's components, which hold only the models routes parse."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(definitions[node["$ref"].rsplit("/", 1)[1]])
+            return {k: resolve(v) for k, v in node.items()}
+        return [resolve(v) for v in node] if isinstance(node, list) else node
+
+    return dict(resolve(schema))
+
+
+def build_api(agent: Services) -> FastAPI:
+    """The FastAPI application that serves every route of ``agent``."""
+    docs = agent.config.api_docs  # the schema maps the whole surface: only when asked for
+    app = FastAPI(title="trainpatrol agent", version=__version__, openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  responses=documented(421),
+                  # no OpenTelemetry of its own: its metrics are on /metrics, and the check costs every request
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
+                  description="Serves rank and GPU metrics to Prometheus and carries control actions "
+                              "to training ranks. See docs/runbooks.md.")
+    cfg = agent.config
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # a webhook or an action with fields out of bounds or not printable, say (a push answers its own 422)
+        agent.stats.count("refusals", "invalid_request")
+        return JSONResponse(invalid(exc.errors()), status_code=422)
+
+    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes,
+                       refused=lambda: agent.stats.count("refusals", "max_request_bytes"))
+
+    @app.get("/healthz", summary="Liveness and readiness", response_model=dict[str, Any])
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "mode": agent.config.mode, "version": __version__}
+
+    @app.get("/metrics", summary="Prometheus exposition of all ranks and GPUs", response_class=Response)
+    def metrics(request: Request) -> Response:
+        # the text format, or OpenMetrics when the scraper asks for it (Prometheus does); gzip when accepted
+        body = agent.registry.body(request.headers.get("accept", ""), request.headers.get("accept-encoding", ""))
+        headers = {"Content-Encoding": "gzip", "Vary": "Accept, Accept-Encoding"} if body.gzipped else \
+            {"Vary": "Accept, Accept-Encoding"}
+        return Response(body.data, media_type=body.content_type, headers=headers)
+
+    add_push_route(app, cfg, agent.stats, agent.accept_push, agent.check_push_body)
+
+    @app.get("/v1/runs", summary="Every run this agent hosts, with its ranks and last action",
+             responses=documented(401))
+    def runs() -> dict[str, Any]:
+        return {"runs": agent.store.all_runs()}
+
+    def status_of(namespace: str, run: str) -> dict[str, Any]:
+        if not valid_run(run):
+            raise HTTPException(422, f"Run name {run!r} is not valid; expected {RUN_PATTERN}.")
+        status = agent.store.runs(namespace).get(run)
+        if status is None:
+            where = f" in namespace {namespace!r}" if namespace else ""
+            raise HTTPException(404, f"Run {run!r}{where} is not hosted by this agent.")
+        return status
+
+    @app.get("/v1/runs/{run}", summary="One run's state, ranks, last action and checkpoint (empty namespace)",
+             responses=documented(401, 404, 422))
+    def run_status(run: str) -> dict[str, Any]:
+        return status_of("", run)
+
+    @app.get("/v1/namespaces/{namespace}/runs/{run}", summary="One run of a namespace: state, ranks, last action",
+             responses=documented(401, 404, 422))
+    def namespaced_run_status(namespace: str, run: str) -> dict[str, Any]:
+        return status_of(namespace, run)
+
+    def act(request: Request, namespace: str, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
+        scope = require_control(request, cfg)
+        if not valid_run(run):
+            raise HTTPException(422, f"Run name {run!r} is not valid; expected {RUN_PATTERN}.")
+        if not re.fullmatch(DNS_LABEL, namespace):
+            raise HTTPException(422, f"Namespace {namespace!r} is not valid; expected a DNS label.")
+        if not scope.allows(namespace):
+            raise HTTPException(403, f"The token does not reach namespace {namespace!r}.")
+        if body.action != "resume" and body.action not in cfg.allowed_actions:
+            raise HTTPException(403, f"Action {body.action!r} is not in the allow-list "
+                                     f"({', '.join(cfg.allowed_actions)}).")
+        live = agent.store.live_ranks(run, namespace)
+        if not live:  # a queued command would wait for a rank that never comes: say so
+            hosted = agent.store.hosts_run(run, namespace)
+            state = agent.store.run_status(run, namespace=namespace)["state"] if hosted else "unknown"
+            refusal = NoLiveRank(detail=no_live_rank(run, namespace), run=run, namespace=namespace, state=state)
+            return JSONResponse(refusal.model_dump(exclude={"errors"}),
+                                status_code=404 if state == "unknown" else 409)
+        command = Command(id=secrets.randbelow(2**31 - 2) + 1, run=run, namespace=namespace, action=body.action,
+                          reason=body.reason, source="api", created=agent.clock())
+        try:
+            outcome, standing = agent.enqueue(command)
+        except Refused as exc:
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        if outcome == "rate_limited":
+            limit = cfg.action_rate_limits[body.action]
+            return JSONResponse({"detail": rate_limited(run, namespace, body.action, limit)}, status_code=429,
+                                headers={"Retry-After": "60"})
+        return ActionAccepted(accepted=True, id=standing.id, run=run, namespace=namespace, action=body.action,
+                              coalesced=outcome == "coalesced", hosted=True, live=True, live_ranks=live)
+
+    action_responses = {**documented(400, 401, 403, 413, 422, 429), **_NO_LIVE_RANK}
+
+    @app.post("/v1/runs/{run}/actions", status_code=202, summary="Ask every rank of a run to act (empty namespace)",
+              response_model=ActionAccepted, responses=action_responses)
+    def run_action(request: Request, run: str, body: ActionRequest) -> ActionAccepted | JSONResponse:
+        return act(request, "", run, body)
+
+    @app.post("/v1/namespaces/{namespace}/runs/{run}/actions", status_code=202,
+              summary="Ask every rank of a run of a namespace to act", response_model=ActionAccepted,
+              responses=action_responses)
+    def namespaced_run_action(request: Request, namespace: str, run: str,
+                              body: ActionRequest) -> ActionAccepted | JSONResponse:
+        return act(request, namespace, run, body)
+
+    @app.post("/v1/alertmanager", status_code=202, summary="Alertmanager webhook (payload version 4)",
+              responses=documented(400, 401, 403, 413, 422, 503))
+    def webhook(request: Request, payload: WebhookPayload = Body(...)) -> JSONResponse:  # noqa: B008
+        scope = require_control(request, cfg)
+        return agent.webhooks.handle(payload, scope, forwarded=request.headers.get(FORWARDED_HEADER) == "1")
+
+    @app.get("/v1/alerts", summary="Recently received alerts and what was done with them",
+             responses=documented(401))
+    def alerts() -> dict[str, Any]:
+        return {"alerts": list(agent.alert_log)}
+
+    @app.get("/v1/nvml", summary="The last NVML sample, for evidence bundles", responses=documented(401))
+    def nvml_snapshot() -> dict[str, Any]:
+        if agent.nvml is None:
+            return {"available": False, "reason": "NVML collector disabled"}
+        try:
+            return {"available": True, **agent.nvml.snapshot()}
+        except Exception as exc:
+            return {"available": False, "reason": str(exc)}
+
+    return app
