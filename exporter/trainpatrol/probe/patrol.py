@@ -48,8 +48,61 @@ T = TypeVar("T")
 
 
 class Patrol:
-    """``with Patrol(run="demo", model=model, optimizer=opt) as patrol:`` then, per batch,
-    ``patrol.step(loss)`` after ``backward()``; iterate batches through ``patrol.loader(...)``."""
+    """Watches one training rank, pushes its health to the agent and carries out actions at step boundaries.
+
+    Build one in every rank, after ``torch.distributed`` is initialised (the ranks agree on actions through
+    it), and call ``step`` once per micro-batch. Patrol acts at the loop's step boundary: before each batch of
+    ``loader``, else right after ``optimizer.step()``, else where the loop calls ``boundary``. Hugging Face and
+    Lightning users take ``TrainPatrolCallback`` from ``trainpatrol.integrations`` instead.
+
+    Args:
+        run: The run's name: the ``run`` label of its series, and what ``trainpatrol pause RUN`` addresses.
+            Overrides ``config.run``.
+        model: Saved and restored by checkpoints; when ``step`` gets no ``grad_norm``, its gradients give one.
+        optimizer: Saved and restored; its ``step()`` is hooked to skip a non-finite update, and to act
+            after it when the loop neither uses ``loader`` nor calls ``boundary``.
+        scheduler: A learning-rate scheduler (any object with ``state_dict``), saved and restored.
+        scaler: A ``torch.amp.GradScaler``, saved and restored; its loss scale is exported.
+        device: Where losses live. Default: the model's first parameter, else the current CUDA device, else CPU.
+        config: Everything else (``PatrolConfig``). Default: ``PatrolConfig()``, filled from the environment.
+        extra_state: Returns this rank's own state to checkpoint (counters, a sampler's offset).
+        load_extra_state: Takes that state back in ``restore``.
+        save_fn: ``save_fn(directory, state)`` writes the model/optimizer/scheduler/scaler state in place of
+            ``state.pt`` (rank 0 only); ``restore`` does not read it back.
+        **overrides: ``PatrolConfig`` fields, set over ``config``.
+
+    Raises:
+        TypeError: An override that is not a ``PatrolConfig`` field.
+        ValueError: A config value out of range; the message quotes it.
+
+    Environment, read for what neither ``config`` nor ``overrides`` sets: ``TRAINPATROL_RUN``,
+    ``TRAINPATROL_AGENT_URL`` (default http://127.0.0.1:9402; local rank 0 starts an agent there when none
+    answers), ``TRAINPATROL_TOKEN`` or ``TRAINPATROL_TOKEN_FILE``, ``TRAINPATROL_RUN_KEY``,
+    ``TRAINPATROL_CHECKPOINT_DIR``, ``TRAINPATROL_EVIDENCE_DIR``, ``TRAINPATROL_EMBEDDED_AGENT_IDLE_SECONDS``;
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` when ``torch.distributed`` is not initialised;
+    ``LOCAL_WORLD_SIZE``; the pod's and launcher's identity (``probe/workload.py``).
+
+    Attributes:
+        config: The ``PatrolConfig`` in effect.
+        optimizer: The hooked optimizer; assign one (or ``None``) to hook another.
+        step_count: Optimizer steps completed, counting from the restored checkpoint's.
+        state: ``running``, ``pausing``, ``paused``, ``stopping``, ``stopped`` or ``closed``.
+        actions: The last 32 actions, oldest first: ``ActionRecord`` (action, outcome, step, detail, evidence).
+        last_checkpoint: The directory of the last checkpoint written or restored; ``""`` before one.
+        last_evidence: The directory of the last evidence bundle; ``""`` before one.
+
+    Example::
+
+        from trainpatrol import Patrol
+
+        with Patrol(run="my-run", model=model, optimizer=opt) as patrol:  # rank/world from torch.distributed or env
+            restored = patrol.restore("latest")  # false (restored.reason says why) when there is nothing to restore
+            for epoch in range(restored.epoch, epochs):
+                for batch in patrol.loader(train_loader):  # times loader waits; acts at step boundaries
+                    loss = model(batch).loss; loss.backward()
+                    patrol.step(loss)  # after backward, before opt.step(); grad_norm=clip_grad_norm_'s if you clip
+                    opt.step(); opt.zero_grad()
+    """
 
     def __init__(self, run: str | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, *, scheduler: Any = None, scaler: Any = None,
@@ -148,17 +201,40 @@ class Patrol:
 
     # --- the loop -----------------------------------------------------------------------------
     def loader(self, loader: Iterable[T]) -> TimedLoader[T]:
-        """Wrap a batch iterable: times each wait and runs ``boundary()`` before each fetch."""
+        """Wrap the training batches: time each wait, act before each fetch, and keep the position for checkpoints.
+
+        Args:
+            loader: The batches, usually a ``DataLoader``. Its position and the RNG it draws from are saved, so
+                ``restore`` continues mid-epoch with the same batches.
+
+        Returns:
+            The same batches (and ``len``). A ``pause`` waits before the next fetch until ``resume``.
+
+        Raises:
+            SystemExit: Code 86 (``trainpatrol.STOP_EXIT_CODE``) once a ``stop`` is agreed and checkpointed.
+        """
         self._reporting.audit_loader(loader, self._device.type == "cuda")
         return TimedLoader(loader, self.boundary, self._recorder.waited, self._loader_tracker)
 
     def step(self, loss: torch.Tensor, *, grad_norm: torch.Tensor | float | None = None,
              batch_size: int | None = None, tokens: int | None = None,
              learning_rates: list[float] | None = None) -> None:
-        """Record one micro-step; every ``grad_accum_steps``-th call closes an optimizer step.
+        """Record one micro-batch; every ``grad_accum_steps``-th call closes an optimizer step.
 
-        Call after ``backward()`` and before ``optimizer.step()``/``zero_grad()``. Pass the total
-        returned by ``clip_grad_norm_`` as ``grad_norm`` to reuse it.
+        Call after ``backward()``, before ``optimizer.step()`` and ``zero_grad()``. Nothing is read on the host:
+        the values are copied off the device and read one step later.
+
+        Args:
+            loss: The micro-batch's loss, unscaled: not divided for accumulation (Patrol averages).
+            grad_norm: The pre-clip total that ``clip_grad_norm_`` returns, on the step's last micro-batch.
+                Default: computed from the model's gradients when Patrol has a model, else none.
+            batch_size: Samples, added to ``trainpatrol_samples_total``.
+            tokens: Tokens, added to ``trainpatrol_tokens_total``.
+            learning_rates: One per param group. Default: read from the optimizer.
+
+        Raises:
+            RuntimeError: On the CPU, when an action is waiting and the loop has no boundary where Patrol can
+                act: no ``loader``, no ``optimizer``, no ``boundary()`` call.
         """
         closed = self._recorder.record(loss, grad_norm, batch_size, tokens, learning_rates)
         # only a CPU step checks: a CUDA step keeps its cost to what it must do
@@ -167,15 +243,24 @@ class Patrol:
             self._control.cannot_act()
 
     def boundary(self) -> None:
-        """The step boundary: exchange the control word when due and carry out agreed actions. Called by
-        ``loader`` before each batch; a loop or framework that calls it itself takes over from the hook
-        after ``optimizer.step()``."""
+        """Act here: exchange the control word with the other ranks when due and carry out agreed actions.
+
+        For a loop without ``loader``; once called, Patrol no longer acts after ``optimizer.step()``. Call it
+        between optimizer steps, at the same point on every rank. A ``pause`` waits here until ``resume``.
+
+        Raises:
+            SystemExit: Code 86 (``trainpatrol.STOP_EXIT_CODE``) once a ``stop`` is agreed and checkpointed.
+        """
         self._control.boundary_driven = True
         self._control.boundary()
 
     def evaluate(self, val_loss: float | torch.Tensor) -> None:
-        """Record a validation loss (evaluation is off the hot path, so a tensor is read here). A new best one
-        is checkpointed at the next boundary, and that checkpoint is kept (``keep_best_checkpoint``)."""
+        """Record a validation loss. A new best is checkpointed at the next boundary, and that checkpoint is
+        never rotated away (``PatrolConfig.keep_best_checkpoint``).
+
+        Args:
+            val_loss: The loss; a tensor is read on the host here (evaluation is off the hot path).
+        """
         self._recorder.absorb_host()
         value = float(val_loss)
         self._latest.validation_loss = value
@@ -185,10 +270,23 @@ class Patrol:
             self.request("checkpoint", f"new best validation loss {value:.6g}", source="best_validation_loss")
 
     def restore(self, path: str | Path = "latest") -> Restored:
-        """Load model, optimizer, scheduler, scaler, RNG, the loader's position and extra state.
+        """Load a checkpoint: model, optimizer, scheduler, scaler, RNG, the loader's position and extra state.
 
-        ``"latest"`` is the newest checkpoint whose state is finite. Returns what was restored and why (false
-        when there is nothing to restore: a fresh run)."""
+        Args:
+            path: ``"latest"``: the newest complete checkpoint whose state is finite. Else a checkpoint directory.
+
+        Returns:
+            What was restored: ``step``, ``path``, ``epoch``, ``reason`` and the newer checkpoints ``skipped``
+            with why. False when ``"latest"`` finds nothing to restore (a fresh run).
+
+        Raises:
+            FileNotFoundError: ``path`` is not a complete checkpoint (no ``meta.json``).
+
+        Example::
+
+            restored = patrol.restore("latest")
+            for epoch in range(restored.epoch, epochs): ...
+        """
         self._recorder.absorb_host()
         restored = self._control.executor.restore(path)
         if restored:
@@ -199,12 +297,30 @@ class Patrol:
         return restored
 
     def request(self, action: str, reason: str = "", *, source: str = "local") -> int:
-        """Ask for an action at the next agreed boundary (what guards and the agent's commands do)."""
+        """Ask for an action; every rank carries it out at the same, next agreed boundary.
+
+        Args:
+            action: ``checkpoint``, ``pause``, ``resume``, ``stop``, ``empty_cache`` or ``capture``.
+            reason: Why, for the logs and the evidence bundle.
+            source: Who asks, recorded with it.
+
+        Returns:
+            The command's id. An action already pending is not queued twice.
+
+        Raises:
+            ValueError: ``action`` is not one of these.
+
+        Example::
+
+            if patrol.step_count % 1000 == 0:
+                patrol.request("checkpoint", "every 1000 steps")
+        """
         if action not in ACTIONS:
             raise ValueError(f"`Patrol.request({action!r})`: not an action; expected one of {', '.join(ACTIONS)}.")
         return self._commands.request(action, reason, source)
 
     def close(self) -> None:
+        """Read the last steps back, push a final snapshot and unhook the optimizer (leaving ``with`` does it)."""
         if self.state == "closed":
             return
         self._recorder.catch_up(wait=True)
@@ -219,6 +335,7 @@ class Patrol:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        """``close``; after a ``torch.OutOfMemoryError``, first an evidence bundle. The exception propagates."""
         if isinstance(exc, torch.OutOfMemoryError):
             self._oom_forensics(exc)
         self.close()
