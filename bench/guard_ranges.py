@@ -101,7 +101,7 @@ def run(case: str, seconds: float, device: torch.device) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         norms.append(total.detach())
-        m = patrol.latest.memory
+        m = patrol._latest.memory
         if m is not None and (not readings or readings[-1] is not m):
             readings.append(m)
     if device.type == "cuda":
@@ -119,7 +119,7 @@ def run(case: str, seconds: float, device: torch.device) -> dict[str, Any]:
     return {
         "case": case, "seconds": round(elapsed, 1), "steps": len(losses),
         "step_ms_mean": round(1e3 * elapsed / max(1, len(losses)), 2),
-        "guard_trips": dict(patrol.guards.trips),
+        "guard_trips": dict(patrol._guards.trips),
         "memory_reads": len(readings),
         "fragmentation_ratio": span("fragmentation"),
         "unusable_at_peak_gib": span("unusable_at_peak", GIB),

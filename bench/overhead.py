@@ -198,7 +198,7 @@ def bench_case(case: Case, device: torch.device, quick: bool, agent_url: str, dd
         order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
         for v in order:
             times[v].append(timed(v, steps))
-    snap = patrol.snapshot()
+    snap = patrol._reporting.snapshot()
     probe = next((s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_probe_overhead_ratio"), math.nan)
     patrol.close()
     med = {v: statistics.median(t) for v, t in times.items()}
@@ -212,8 +212,8 @@ def bench_case(case: Case, device: torch.device, quick: bool, agent_url: str, dd
         "skip_mode": "found_inf" if fused else "hide_grads",
         "overhead_pct_paired_median": {v: round(p, 3) for v, p in paired.items()},
         "patrol_self_reported_overhead_ratio": probe,
-        "pushes_delivered": patrol.publisher.delivered,
-        "control_interval_steps": patrol.coordinator.interval if patrol.coordinator.distributed else None,
+        "pushes_delivered": patrol._publisher.delivered,
+        "control_interval_steps": patrol._coordinator.interval if patrol._coordinator.distributed else None,
     }
 
 

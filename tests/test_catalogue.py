@@ -50,9 +50,9 @@ def test_every_rank_metric_is_pushed_by_a_patrol(tmp_path: Path) -> None:
         patrol.step(x.sum(), grad_norm=1.0, batch_size=2)
     run_scripted(patrol, [1.0, 2.0], grad_norms=[1.0, 2.0])
     patrol.evaluate(0.5)
-    patrol.latest.loss_scale = 1024.0  # set by a GradScaler (tested in test_patrol_values)
-    patrol.record.last_checkpoint_time, patrol.record.last_checkpoint_step = 1.0, 2.0
-    snap = patrol.snapshot()
+    patrol._latest.loss_scale = 1024.0  # set by a GradScaler (tested in test_patrol_values)
+    patrol._record.last_checkpoint_time, patrol._record.last_checkpoint_step = 1.0, 2.0
+    snap = patrol._reporting.snapshot()
     pushed = {s["name"] for s in snap["samples"]} | {"trainpatrol_step_duration_seconds"}
     assert pushed == {m.name for m in RANK_METRICS}
     patrol.close()

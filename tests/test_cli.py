@@ -27,7 +27,7 @@ def test_cli_actions_and_status_with_a_token_file(tmp_path: Path) -> None:
     with agent(tmp_path, "--no-nvml", "--token-file", str(token)) as url:
         patrol = scripted_patrol(tmp_path, url, run="cli-run", push_interval_seconds=0.1, token="cli-secret")
         run_scripted(patrol, [1.0] * 7)
-        patrol.publisher.push_now()
+        patrol._publisher.push_now()
         denied = cli("pause", "cli-run", "--agent", url)
         assert denied.returncode == 1 and "401" in denied.stderr
         ok = cli("checkpoint", "cli-run", "--agent", url, "--token-file", str(token), "--reason", "from test")

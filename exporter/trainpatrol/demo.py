@@ -376,10 +376,10 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
                     time.sleep(args.step_sleep)
                 if not args.quiet and time.monotonic() - last_print > 1.0:
                     last_print = time.monotonic()
-                    lt = patrol.latest
+                    lt = patrol._latest
                     print(f"[demo] step {step:5d}  loss {lt.loss:9.4f}  grad_norm {lt.grad_norm:9.3f}  "
                           f"state {patrol.state}", flush=True)
-        patrol.publisher.push_now()
+        patrol._publisher.push_now()
         _print_mission_metrics(agent_url, args.run)
     stop.set()
     print(f"[demo] done: {patrol.step_count} steps. {_evidence_line(patrol)}; "

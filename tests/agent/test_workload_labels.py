@@ -41,7 +41,7 @@ def test_every_series_of_a_rank_in_a_pod_carries_its_namespace_pod_container_and
         try:
             for patrol in (in_pod, on_host):
                 run_scripted(patrol, [2.0, 1.5, 1.25])
-                assert patrol.publisher.push_now()
+                assert patrol._publisher.push_now()
             body = http_get(f"http://127.0.0.1:{port}/metrics").decode()
         finally:
             in_pod.close()

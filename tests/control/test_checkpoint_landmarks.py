@@ -41,8 +41,8 @@ def test_the_best_validation_checkpoint_is_kept_and_named_when_validation_diverg
         patrol.evaluate(val)
         patrol.request("checkpoint", "periodic")  # coalesces with a best-loss checkpoint at the same boundary
     train(patrol, model, opt, 55)
-    patrol.request("checkpoint", "TrainPatrolValLossDiverging", source="alertmanager",
-                   alert={"labels": {"alertname": "TrainPatrolValLossDiverging", "action": "checkpoint"}})
+    patrol._commands.request("checkpoint", "TrainPatrolValLossDiverging", source="alertmanager",  # as the agent's
+                             alert={"labels": {"alertname": "TrainPatrolValLossDiverging", "action": "checkpoint"}})
     train(patrol, model, opt, 56)
     ckpt = Checkpointer(tmp_path / "ckpt")
     assert [p.name for p in ckpt.complete()] == ["step-00000030", "step-00000055"]
@@ -56,7 +56,7 @@ def test_the_best_validation_checkpoint_is_kept_and_named_when_validation_diverg
     again = Patrol(model=model, optimizer=opt, config=config(tmp_path, "best"))
     assert again.restore("latest").step == 55
     again.evaluate(3.5)  # not better than the restored run's best
-    assert again.best_pending is None
+    assert again._training.best_pending is None
     again.close()
 
 

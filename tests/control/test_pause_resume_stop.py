@@ -14,7 +14,8 @@ from trainpatrol import STOP_EXIT_CODE, Patrol, PatrolConfig
 from trainpatrol.control.checkpoint import Checkpointer, temp_path
 
 
-def make(tmp: Path, url: str, run: str, seed: int = 0, **cfg: Any) -> tuple[Patrol, torch.nn.Module]:
+def make(tmp: Path, url: str, run: str, seed: int = 0, patrol_args: dict[str, Any] | None = None,
+         **cfg: Any) -> tuple[Patrol, torch.nn.Module]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -22,13 +23,13 @@ def make(tmp: Path, url: str, run: str, seed: int = 0, **cfg: Any) -> tuple[Patr
     config = PatrolConfig(run=run, agent_url=url, embedded_agent=False, checkpoint_dir=str(tmp / "ckpt"),
                           evidence_dir=str(tmp / "evidence"), push_interval_seconds=0.1,
                           pause_poll_seconds=0.05, **cfg)
-    return Patrol(model=model, optimizer=opt, scheduler=sched, config=config), model
+    return Patrol(model=model, optimizer=opt, scheduler=sched, config=config, **(patrol_args or {})), model
 
 
 def train(patrol: Patrol, model: torch.nn.Module, until: int, losses: list[float],
           gate: threading.Event | None = None) -> int | None:
     """Synthetic data drawn from torch's RNG, so a restored RNG replays the same batches."""
-    assert patrol.optimizer is not None and patrol.scheduler is not None
+    assert patrol.optimizer is not None and patrol._scheduler is not None
     try:
         while patrol.step_count < until:
             patrol.boundary()
@@ -40,7 +41,7 @@ def train(patrol: Patrol, model: torch.nn.Module, until: int, losses: list[float
             patrol.step(loss)
             patrol.optimizer.step()
             patrol.optimizer.zero_grad()
-            patrol.scheduler.step()
+            patrol._scheduler.step()
             losses.append(loss.item())
     except SystemExit as exc:
         return int(exc.code) if exc.code is not None else 0
@@ -181,9 +182,8 @@ def test_user_save_fn_and_extra_state_round_trip(tmp_path: Path) -> None:
         torch.save({"custom": True, **state}, directory / "custom.pt")
 
     extra = {"epoch": 3, "sampler_offset": 1234}
-    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn")
-    patrol.extra_state = lambda: dict(extra)
-    patrol.checkpointer.save_fn = save_fn
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn",
+                         patrol_args={"extra_state": lambda: dict(extra), "save_fn": save_fn})
     train(patrol, model, 4, [])
     patrol.request("checkpoint", "test")
     train(patrol, model, 5, [])
@@ -192,8 +192,7 @@ def test_user_save_fn_and_extra_state_round_trip(tmp_path: Path) -> None:
     assert torch.load(saved[0] / "custom.pt", weights_only=False)["custom"] is True
     assert not (saved[0] / "state.pt").exists()  # the user's saver replaces the default one
     restored: list[dict[str, Any]] = []
-    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn")
-    patrol.load_extra_state = restored.append
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn", patrol_args={"load_extra_state": restored.append})
     assert patrol.restore(saved[0]).step == 4
     assert restored == [extra]
     patrol.close()

@@ -61,7 +61,7 @@ def test_a_nan_loss_with_a_finite_grad_norm_pauses_by_the_loss_guard_alone(tmp_p
 
         assert pause_then_stop(patrol, loop) == STOP_EXIT_CODE
         assert [(a.action, a.step) for a in patrol.actions] == [("pause", 10), ("stop", 10)]
-        assert patrol.guards.trips["nonfinite_grad"] == 0 and patrol.guards.trips["nonfinite_loss"] == 1
+        assert patrol._guards.trips["nonfinite_grad"] == 0 and patrol._guards.trips["nonfinite_loss"] == 1
         patrol.close()
 
 

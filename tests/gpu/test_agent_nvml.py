@@ -25,7 +25,7 @@ def test_agent_with_real_nvml_joins_rank_on_uuid(tmp_path: Path) -> None:
 
         body = wait_for(ready, 20, what="nvml sample and rank")
         patrol.close()
-    uuid = patrol.identity.gpu_uuid
+    uuid = patrol._identity.gpu_uuid
     assert f'gpu_uuid="{uuid}"' in body
     assert 'trainpatrol_gpu_info{' in body and f'uuid="{uuid}"' in body
     for name in ("trainpatrol_gpu_power_watts", "trainpatrol_gpu_energy_joules_total",

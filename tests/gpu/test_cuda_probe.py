@@ -53,7 +53,7 @@ def test_fragmentation_counts_only_what_stayed_unusable_at_the_peak(tmp_path: Pa
     torch.cuda.synchronize()
     patrol = patrol_for(tmp_path, memory_interval_seconds=0.0)
     patrol.step(torch.ones((), device=DEV))
-    m = patrol.memory_reading()
+    m = patrol._latest.memory
     stats = torch.cuda.memory_stats(DEV)
     reserved, peak = stats["reserved_bytes.all.current"], stats["allocated_bytes.all.peak"]
     assert m is not None
@@ -91,7 +91,7 @@ def test_forced_alloc_retries_raise_the_counter(tmp_path: Path) -> None:
 
 def patrol_reading_retries(patrol: Patrol) -> float:
     patrol.step(torch.ones((), device=DEV))
-    m = patrol.memory_reading()
+    m = patrol._latest.memory
     assert m is not None
     return m.alloc_retries
 
@@ -143,7 +143,7 @@ def test_instrumented_step_never_syncs(tmp_path: Path) -> None:
         torch.cuda.set_sync_debug_mode(0)
     patrol.close()
     assert patrol.step_count == 43
-    assert patrol.latest.loss == patrol.latest.loss  # read back, finite
+    assert patrol._latest.loss == patrol._latest.loss  # read back, finite
 
 
 def test_loss_sync_is_caught_by_the_check() -> None:

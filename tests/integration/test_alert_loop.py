@@ -199,7 +199,7 @@ def _check_paused_and_stays_paused(loop: Loop, run: Run, alertname: str) -> None
 def test_nan_loss_pauses_through_prometheus(loop: Loop, start_run: Any) -> None:
     run = start_run("nan-loss", "nan")
     _check_paused_and_stays_paused(loop, run, "TrainPatrolNonFiniteLoss")
-    assert run.patrol.guards.trips["nonfinite_loss"] == 1  # the guard saw it, and did not act
+    assert run.patrol._guards.trips["nonfinite_loss"] == 1  # the guard saw it, and did not act
 
 
 def test_grad_norm_explosion_pauses_through_prometheus(loop: Loop, start_run: Any) -> None:

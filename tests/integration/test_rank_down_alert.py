@@ -90,7 +90,7 @@ def test_a_rank_that_closed_normally_never_pages_rank_down_and_one_that_vanished
 
         # the other run's process dies: no close, its pushes just stop
         vanished.end()
-        vanished.patrol.publisher.stop(final_push=False)
+        vanished.patrol._publisher.stop(final_push=False)
         died = time.time()
 
         firing = wait_for(lambda: rank_down(prom, "vanished"), 30, what="TrainPatrolRankDown for the vanished rank")
@@ -98,7 +98,7 @@ def test_a_rank_that_closed_normally_never_pages_rank_down_and_one_that_vanished
         print(f"\n[rank-down] the vanished rank paged after {time.time() - died:.1f} s")
         time.sleep(2)  # two more evaluations: the closed rank passed its TTL before the vanished one did
         assert rank_down(prom, "finished", over="5m") == []
-        assert finished.patrol.publisher.dropped == 0
+        assert finished.patrol._publisher.dropped == 0
         assert query_value(prom, 'trainpatrol_rank_state{run="finished",state="closed"}') == 1
         assert query_value(prom, 'trainpatrol_rank_up{run="finished"}') == 0
         assert http_json(f"{url}/v1/runs/finished")["state"] == "closed"

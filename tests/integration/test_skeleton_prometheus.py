@@ -51,7 +51,7 @@ def test_agent_restart_mid_run_loses_nothing(tmp_path: Path) -> None:
                  10, what="first push")
     # the agent is gone: the loop goes on and raises nothing; pushes are dropped and counted
     run_scripted(patrol, LOSSES[40:80])
-    wait_for(lambda: patrol.publisher.dropped > 0, 10, what="a dropped push")
+    wait_for(lambda: patrol._publisher.dropped > 0, 10, what="a dropped push")
     with agent(tmp_path, "--no-nvml", port=port) as url:
         run_scripted(patrol, LOSSES[80:])
         wait_for(lambda: b'trainpatrol_step_total{rank="0",run="restart"} 120.0' in http_get(url + "/metrics"),
@@ -60,7 +60,7 @@ def test_agent_restart_mid_run_loses_nothing(tmp_path: Path) -> None:
         dropped = [ln for ln in body.splitlines() if ln.startswith("trainpatrol_push_dropped_total")]
         assert dropped and float(dropped[0].split()[-1]) >= 1
         patrol.close()
-    assert patrol.totals.steps == 120
+    assert patrol._totals.steps == 120
 
 
 def test_training_never_waits_for_a_missing_agent(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_training_never_waits_for_a_missing_agent(tmp_path: Path) -> None:
     run_scripted(patrol, LOSSES)
     elapsed = time.perf_counter() - start
     patrol.close()
-    assert patrol.totals.steps == len(LOSSES)
-    assert patrol.publisher.dropped >= 1
-    assert patrol.publisher.delivered == 0
+    assert patrol._totals.steps == len(LOSSES)
+    assert patrol._publisher.dropped >= 1
+    assert patrol._publisher.delivered == 0
     assert elapsed < 5  # a bound on hanging, not a speed claim: 120 steps with no agent at all

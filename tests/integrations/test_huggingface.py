@@ -85,10 +85,10 @@ def test_exported_values_equal_the_trainers_logs(tmp_path: Path, agent_url: str,
     assert patrol is not None and patrol.state == "closed"
     # every step: Patrol's own record equals the Trainer's log_history entry bit for bit
     for e in logs:
-        rec = patrol.history.get(e["step"])
+        rec = patrol._history.get(e["step"])
         assert rec is not None
         assert (rec.loss, rec.grad_norm) == (e["loss"], e["grad_norm"]), e
-    assert patrol.totals.samples == 12 * 4 * accum and patrol.totals.tokens == 12 * 4 * accum * SEQ
+    assert patrol._totals.samples == 12 * 4 * accum and patrol._totals.tokens == 12 * 4 * accum * SEQ
     assert exposed(agent_url, "trainpatrol_micro_step_total", run) == 12 * accum  # backward passes
     # the agent's /metrics after the final push: step count and the last step's values, exactly
     last = logs[-1]
@@ -186,12 +186,12 @@ def test_logging_every_n_steps_keeps_per_step_loss(tmp_path: Path, agent_url: st
     assert sorted(logs) == [4, 8]
     patrol = cb.patrol
     assert patrol is not None and patrol.step_count == 8
-    records = [patrol.history.get(s) for s in range(1, 9)]
+    records = [patrol._history.get(s) for s in range(1, 9)]
     losses = [r.loss for r in records if r is not None]
     for end in (4, 8):
         # the Trainer logs the mean over its logging window; Patrol holds each step's loss
         assert sum(losses[end - 4:end]) / 4 == pytest.approx(logs[end]["loss"], rel=1e-6)
-        assert patrol.history.get(end).grad_norm == logs[end]["grad_norm"]  # type: ignore[union-attr]
+        assert patrol._history.get(end).grad_norm == logs[end]["grad_norm"]  # type: ignore[union-attr]
     assert all(r is not None and r.grad_norm != r.grad_norm for r in records[:3])  # NaN: no norm on unlogged steps
 
 
@@ -211,7 +211,7 @@ def test_nan_hidden_by_the_trainers_filter_trips_the_guard(tmp_path: Path, agent
     assert exc.value.code == STOP_EXIT_CODE
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     assert logged[5] == logged[5] and logged[5] < 10  # logging_nan_inf_filter logged a finite stand-in
-    assert cb.patrol is not None and cb.patrol.totals.nonfinite_loss == 1
+    assert cb.patrol is not None and cb.patrol._totals.nonfinite_loss == 1
     assert [(a.action, a.step) for a in cb.patrol.actions] == [("stop", 5)]
     assert (out / "checkpoint-5" / "trainer_state.json").is_file()
 
@@ -244,8 +244,8 @@ def test_without_a_model_loss_steps_still_count(tmp_path: Path, agent_url: str) 
     logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
     patrol = cb.patrol
     assert patrol is not None and patrol.step_count == trainer.state.global_step == 6
-    assert [patrol.history.get(s) is not None for s in range(1, 7)] == [False, False, True, False, False, True]
-    assert patrol.history.get(6).loss == logs[6]["loss"]  # type: ignore[union-attr]
+    assert [patrol._history.get(s) is not None for s in range(1, 7)] == [False, False, True, False, False, True]
+    assert patrol._history.get(6).loss == logs[6]["loss"]  # type: ignore[union-attr]
 
 
 def nan_loss_from(trainer: Any, first: int, last: int) -> Any:
@@ -315,7 +315,7 @@ def test_a_learning_rate_blow_up_pauses_within_five_steps_by_default(tmp_path: P
     assert cb.patrol is not None
     pause = next(a for a in cb.patrol.actions if a.action == "pause")
     assert 61 <= pause.step <= 65, pause
-    trips = {g: n for g, n in cb.patrol.guards.trips.items() if n}
+    trips = {g: n for g, n in cb.patrol._guards.trips.items() if n}
     assert set(trips) <= {"loss_spike", "grad_norm_explosion", "nonfinite_loss", "nonfinite_grad"} and trips
     cb.patrol.request("stop", "end")
     thread.join(60)
@@ -326,5 +326,5 @@ def test_a_healthy_trainer_run_keeps_every_guard_quiet(tmp_path: Path, agent_url
     cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "hf-healthy"))
     make_trainer(tmp_path / "out", [cb], max_steps=150).train()
     assert cb.patrol is not None and cb.patrol.step_count == 150
-    assert {g: n for g, n in cb.patrol.guards.trips.items() if n} == {}
+    assert {g: n for g, n in cb.patrol._guards.trips.items() if n} == {}
     assert [a.action for a in cb.patrol.actions] == []

@@ -36,12 +36,12 @@ def test_exported_values_equal_the_modules_own_records(tmp_path: Path, agent_url
     assert patrol is not None and patrol.state == "closed"
     assert t.global_step == patrol.step_count == len(module.losses) == 12
     for step in range(1, 13):
-        rec = patrol.history.get(step)
+        rec = patrol._history.get(step)
         assert rec is not None
         # loss: Lightning's own per-step value; grad norm: before clipping (clip is 0.5; the norms are larger)
         assert (rec.loss, rec.grad_norm) == (module.losses[step - 1], module.grad_norms[step - 1]), step
     assert max(module.grad_norms) > 0.5
-    assert patrol.totals.micro_steps == 12 * accum and patrol.totals.samples == 12 * accum * 8
+    assert patrol._totals.micro_steps == 12 * accum and patrol._totals.samples == 12 * accum * 8
     assert exposed(agent_url, "trainpatrol_step_total", run) == 12
     assert exposed(agent_url, "trainpatrol_loss", run) == module.losses[-1]
     assert exposed(agent_url, "trainpatrol_grad_norm", run) == module.grad_norms[-1]
@@ -105,7 +105,7 @@ def test_stop_saves_a_checkpoint_lightning_resumes_from(tmp_path: Path, agent_ur
     assert ckpt.name == "trainpatrol-stop-step=4.ckpt" and ckpt.is_file()
     # the module's own on_train_batch_end runs after the callbacks', so it never saw step 4; Patrol did
     assert module.losses == reference.losses[:3]
-    assert [cb.patrol.history.get(s).loss for s in range(1, 5)] == reference.losses[:4]  # type: ignore[union-attr]
+    assert [cb.patrol._history.get(s).loss for s in range(1, 5)] == reference.losses[:4]  # type: ignore[union-attr]
 
     resumed_cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, "pl-stop"))  # same run, same process
     resumed = Tiny()

@@ -100,7 +100,7 @@ def test_final_push_after_the_agent_dropped_the_idle_kept_alive_connection_is_de
         stop.set()
         thread.join(10)
         patrol.close()
-        assert patrol.publisher.dropped == 0
+        assert patrol._publisher.dropped == 0
         assert_shown_closed(agent, "done")
     noisy = [r.getMessage() for r in logged.records if r.name.startswith("trainpatrol")
              and ("failed" in r.getMessage() or "Broken pipe" in r.getMessage())]
@@ -113,7 +113,7 @@ def test_final_push_to_a_restarted_agent_is_delivered(tmp_path: Path) -> None:
     with agent_in_thread(first.app, port):
         patrol = scripted_patrol(tmp_path, f"http://127.0.0.1:{port}", run="done", push_interval_seconds=0.1)
         patrol.step(torch.tensor(1.0), batch_size=8)
-        assert patrol.publisher.push_now()  # a state change's push: the kept-alive connection is open
+        assert patrol._publisher.push_now()  # a state change's push: the kept-alive connection is open
     with agent_in_thread(second.app, port):
         patrol.step(torch.tensor(1.0), batch_size=8)
         patrol.close()

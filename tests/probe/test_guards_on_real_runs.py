@@ -22,7 +22,7 @@ GIB = 2.0**30
 
 
 def quiet(patrol: Patrol) -> dict[str, int]:
-    return {g: n for g, n in patrol.guards.trips.items() if n}
+    return {g: n for g, n in patrol._guards.trips.items() if n}
 
 
 def test_the_demo_regression_with_a_shuffled_loader_keeps_every_guard_quiet(tmp_path: Path) -> None:
@@ -88,7 +88,7 @@ def test_a_user_resetting_peak_statistics_does_not_look_like_fragmentation(tmp_p
                                   memory_interval_seconds=0.0), device="cpu")
     for _ in range(3):  # after the first read the user called torch.cuda.reset_peak_memory_stats()
         patrol.step(torch.tensor(1.0))
-    m = patrol.memory_reading()
+    m = patrol._latest.memory
     assert m is not None and m.peak_allocated == 1.6 * GIB and m.fragmentation < 0.05
-    assert patrol.guards.trips["memory_fragmentation"] == 0
+    assert patrol._guards.trips["memory_fragmentation"] == 0
     patrol.close()

@@ -43,7 +43,8 @@ def train(patrol: Patrol, loader: SlowLoader, clock: Clock) -> None:
 
 
 def value(patrol: Patrol, name: str) -> float:
-    return float(next(s["value"] for s in patrol.snapshot()["samples"] if s["name"] == "trainpatrol_" + name))
+    samples = patrol._reporting.snapshot()["samples"]
+    return float(next(s["value"] for s in samples if s["name"] == "trainpatrol_" + name))
 
 
 def test_the_wait_ratio_equals_the_known_share_of_waiting(tmp_path: Path, clock: Clock) -> None:
@@ -69,5 +70,5 @@ def test_time_paused_at_a_boundary_is_not_data_wait(tmp_path: Path, clock: Clock
     train(patrol, SlowLoader(40, clock), clock)
     assert [a.action for a in patrol.actions] == ["pause", "resume"]
     assert value(patrol, "loader_wait_seconds_total") == pytest.approx(40 * 0.03, rel=1e-9)
-    assert max(r.loader_wait_seconds for r in patrol.history.records) == pytest.approx(0.03, rel=1e-9)
+    assert max(r.loader_wait_seconds for r in patrol._history.records) == pytest.approx(0.03, rel=1e-9)
     patrol.close()

@@ -266,7 +266,7 @@ def test_panels_without_values_say_so(bundle_copy: Path) -> None:
 def test_oom_bundle_from_patrol(tmp_path: Path) -> None:
     patrol = scripted_patrol(tmp_path, guard_actions={})
     run_scripted(patrol, [1.0, 0.9, 0.8, math.inf, 0.7], grad_norms=[1.0] * 5)
-    bundle = patrol.oom_forensics(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    bundle = patrol._oom_forensics(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     patrol.close()
     page = write_report(bundle, runbooks=tmp_path / "none.md").read_text()
     assert "oom at step 5" in page
@@ -378,7 +378,7 @@ def test_memory_from_the_cuda_allocator_is_not_called_simulated(bundle_copy: Pat
 def test_an_oom_report_uses_the_oom_runbook_section(tmp_path: Path) -> None:
     patrol = scripted_patrol(tmp_path, guard_actions={})
     run_scripted(patrol, [1.0, 0.9], grad_norms=[1.0] * 2)
-    bundle = patrol.oom_forensics(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    bundle = patrol._oom_forensics(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     patrol.close()
     nxt = _section(write_report(bundle, runbooks=SHIPPED_RUNBOOKS).read_text(), "next")
     assert nxt.startswith('<section id="next"><h2>What to do next</h2><h3>TrainPatrolOOMRisk</h3>')

@@ -14,6 +14,7 @@ import torch
 from loops import scripted_patrol
 from rank_client import counter, make_agent
 from servers import agent_in_thread, wait_for
+from trainpatrol.probe.reporting import config_dict
 
 
 def test_a_patrols_pushes_carry_its_run_key_and_a_forger_is_refused(tmp_path: Path) -> None:
@@ -23,7 +24,7 @@ def test_a_patrols_pushes_carry_its_run_key_and_a_forger_is_refused(tmp_path: Pa
         try:
             patrol.boundary()
             patrol.step(torch.tensor(1.0), grad_norm=torch.tensor(0.5))
-            assert patrol.publisher.push_now()  # a single request
+            assert patrol._publisher.push_now()  # a single request
             wait_for(lambda: counter(agent, "trainpatrol_pushes_total", outcome="ok") >= 3, 10,
                      what="stream pushes besides the single one")
             forged = json.dumps({"run": "keyed", "rank": 0, "done_commands": [1]}).encode()
@@ -32,9 +33,9 @@ def test_a_patrols_pushes_carry_its_run_key_and_a_forger_is_refused(tmp_path: Pa
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(req, timeout=5)
             assert refused.value.code == 403
-            assert patrol.publisher.push_now()
+            assert patrol._publisher.push_now()
             assert counter(agent, "trainpatrol_pushes_total", outcome="wrong_run_key") == 1.0
-            assert "run_key" not in patrol.config_dict()
+            assert "run_key" not in config_dict(patrol.config)
         finally:
             patrol.close()
     assert agent.store.runs()["keyed"]["state"] == "closed"

@@ -81,12 +81,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             # built without the model, so Patrol computes no grad norm of its own from zeroed grads
             self.patrol = Patrol(optimizer=optimizer, scheduler=lr_scheduler, device=args.device, config=self._config)
         assert self.patrol is not None
-        patrol = self.patrol
-        patrol.model = patrol.model or model
-        patrol.optimizer = patrol.optimizer or optimizer
-        patrol.scheduler = patrol.scheduler or lr_scheduler
-        patrol.framework_drives()
-        patrol.start_at(state.global_step)
+        self.patrol._attach(state.global_step, model, optimizer, lr_scheduler)
         self._stopping = self._due = False
         average_tokens = getattr(args, "average_tokens_across_devices", False)  # transformers >= 4.46
         self._loss_scale = args.world_size if average_tokens and args.world_size > 1 else 1
@@ -105,7 +100,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         if self._due:  # the Trainer did not log the step it said it would: finish it without its values
             self._finish(state, control, None, None)
         if self.patrol is not None:
-            self.patrol.waited(time.perf_counter() - self._last_hook)
+            self.patrol._waited(time.perf_counter() - self._last_hook)
         self._micro, self._samples, self._tokens, self._scaled = [], 0, 0, False
         self._forwards = 0
 
@@ -195,18 +190,12 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
         loss = self._step_loss
         if loss is None and logged_loss is not None:
             loss = torch.tensor(logged_loss, dtype=torch.float64)
-        if loss is None:
-            if not self._warned_no_loss:
-                self._warned_no_loss = True
-                log.warning("trainpatrol: the model returned no loss (a custom compute_loss?); steps are counted "
-                            "and actions work, but the loss is seen only on steps the Trainer logs")
-            patrol.totals.steps += 1
-            patrol.totals.micro_steps += max(1, self._forwards)
-        else:
-            patrol.totals.steps = state.global_step - 1  # steps without a loss were counted above
-            patrol.totals.micro_steps += max(0, self._forwards - 1)  # Patrol.step counts the last backward pass
-            patrol.step(loss, grad_norm=grad_norm, batch_size=self._samples, tokens=self._tokens,
-                        learning_rates=self._learning_rates or None)
+        if loss is None and not self._warned_no_loss:
+            self._warned_no_loss = True
+            log.warning("trainpatrol: the model returned no loss (a custom compute_loss?); steps are counted "
+                        "and actions work, but the loss is seen only on steps the Trainer logs")
+        patrol._framework_step(state.global_step, self._forwards, loss, grad_norm=grad_norm, batch_size=self._samples,
+                               tokens=self._tokens, learning_rates=self._learning_rates or None)
         self._step_loss = None
         self._boundary(control)
         self._last_hook = time.perf_counter()

@@ -99,16 +99,11 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
             scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16 AMP: Patrol exports the loss scale
             self.patrol = Patrol(model=pl_module, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                  config=self._config)
-        elif self.patrol is not None and trainer.world_size > 1 and not self.patrol.coordinator.distributed:
+        assert self.patrol is not None
+        distributed = self.patrol._attach(trainer.global_step, pl_module, optimizer, scheduler)
+        if not self._owned and trainer.world_size > 1 and not distributed:
             log.warning("trainpatrol: this Patrol was built before torch.distributed was initialised, so ranks "
                         "will not agree on actions; give TrainPatrolCallback a PatrolConfig instead")
-        patrol = self.patrol
-        assert patrol is not None
-        patrol.model = patrol.model or pl_module
-        patrol.optimizer = patrol.optimizer or optimizer
-        patrol.scheduler = patrol.scheduler or scheduler
-        patrol.framework_drives()
-        patrol.start_at(trainer.global_step)
         self._seen_step = trainer.global_step
         self._reset_step()
         self._last_hook = time.perf_counter()
@@ -121,7 +116,7 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
                              batch_idx: int) -> None:
         """Count the fetch of this batch as loader wait."""
         if self.patrol is not None:
-            self.patrol.waited(time.perf_counter() - self._last_hook)
+            self.patrol._waited(time.perf_counter() - self._last_hook)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
@@ -130,7 +125,7 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
             self._grad_norm_step = trainer.global_step
             self._grad_norm = dv.total_grad_norm(pl_module.parameters())
             if self.patrol is not None:  # Lightning's closure ran backward inside optimizer.step(): judge it now
-                self.patrol.judge_update(self._grad_norm)
+                self.patrol._judge_update(self._grad_norm)
             self._learning_rates = [float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups
                                     if isinstance(g.get("lr"), float | int)]
 
@@ -172,18 +167,12 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
     def _record(self, step: int) -> None:
         patrol = self.patrol
         assert patrol is not None
-        patrol.totals.steps = step - 1
-        if self._loss is None:
-            if not self._warned_no_loss:
-                self._warned_no_loss = True
-                log.warning("trainpatrol: training_step returned no loss; steps are counted and actions work, "
-                            "but no loss, grad norm or step time is recorded")
-            patrol.totals.steps = step
-            patrol.totals.micro_steps += self._micro
-        else:
-            patrol.totals.micro_steps += self._micro - 1  # Patrol.step counts the last one
-            patrol.step(self._loss, grad_norm=self._grad_norm, batch_size=self._samples, tokens=self._tokens,
-                        learning_rates=self._learning_rates or None)
+        if self._loss is None and not self._warned_no_loss:
+            self._warned_no_loss = True
+            log.warning("trainpatrol: training_step returned no loss; steps are counted and actions work, "
+                        "but no loss, grad norm or step time is recorded")
+        patrol._framework_step(step, self._micro, self._loss, grad_norm=self._grad_norm, batch_size=self._samples,
+                               tokens=self._tokens, learning_rates=self._learning_rates or None)
         self._reset_step()
 
     def _boundary(self, trainer: pl.Trainer) -> None:

@@ -19,31 +19,33 @@ from .identity import Identity
 from .step_recorder import StepRecorder
 
 
+def guard_trips(commands: CommandBook, guard_actions: dict[str, str]) -> Callable[[list[tuple[str, str]]], None]:
+    """What the step recorder calls with the guards that tripped: request the actions configured for them."""
+    def trip(tripped: list[tuple[str, str]]) -> None:
+        for guard, detail in tripped:
+            action = guard_actions.get(guard)
+            if action:
+                commands.request(action, f"local guard {guard}: {detail}", source=f"guard:{guard}")
+    return trip
+
+
 class ControlLoop:
-    def __init__(self, cfg: PatrolConfig, identity: Identity, recorder: StepRecorder, *, record: RunRecord,
-                 checkpointer: Checkpointer, evidence: EvidenceWriter, training: TrainingState,
-                 wake: Callable[[], None], announce: Callable[[], object], context: Callable[[], dict[str, Any]],
+    def __init__(self, cfg: PatrolConfig, identity: Identity, recorder: StepRecorder, *, commands: CommandBook,
+                 coordinator: Coordinator, record: RunRecord, checkpointer: Checkpointer, evidence: EvidenceWriter,
+                 training: TrainingState, announce: Callable[[], object], context: Callable[[], dict[str, Any]],
                  rearm_guards: Callable[[], None]) -> None:
-        """``wake``: the publisher, when an action is requested; ``announce``: push the state now."""
-        self._guard_actions, self._recorder, self._accum = cfg.guard_actions, recorder, cfg.grad_accum_steps
-        self.commands = CommandBook(cfg.run, time.time(), on_request=wake)
-        self.coordinator = Coordinator(identity.device, target_seconds=cfg.control_target_seconds)
+        """``announce``: push the state now; ``context``: what an evidence bundle says of the rank."""
+        self._recorder, self._accum = recorder, cfg.grad_accum_steps
+        self.commands, self.coordinator = commands, coordinator
         self.executor = Executor(
             RankFacts(cfg.run, identity.rank, identity.world_size, identity.device, cfg.guard_actions,
                       cfg.pause_timeout_seconds, cfg.pause_poll_seconds),
-            checkpointer=checkpointer, coordinator=self.coordinator, commands=self.commands, record=record,
+            checkpointer=checkpointer, coordinator=coordinator, commands=commands, record=record,
             evidence=evidence, training=training, control_word=self.control_word, announce=announce,
             context=context, rearm_guards=rearm_guards)
         self.boundary_driven = False
         """Whether the caller runs ``boundary()`` (the loader wrapper, a framework callback, a loop of its own);
         until then Patrol acts from its hook after ``optimizer.step()``."""
-
-    def trip(self, tripped: list[tuple[str, str]]) -> None:
-        """Guards that tripped request the actions configured for them."""
-        for guard, detail in tripped:
-            action = self._guard_actions.get(guard)
-            if action:
-                self.commands.request(action, f"local guard {guard}: {detail}", source=f"guard:{guard}")
 
     def control_word(self) -> list[int]:
         pending = {a: c["id"] for a, c in self.commands.pending().items()}

@@ -11,26 +11,29 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
 
+from ..actions import ACTIONS
 from ..control.checkpoint import Checkpointer, Restored, SaveFn
+from ..control.commands import CommandBook
+from ..control.coordinator import Coordinator
 from ..control.evidence import fetch_nvml, set_recording
 from ..control.evidence_writer import EvidenceWriter
 from ..control.run_record import RunRecord
 from ..control.training_state import STATEFUL, TrainingState
 from ..protocol import ActionRecord
 from .config import PatrolConfig
-from .control_loop import ControlLoop
+from .control_loop import ControlLoop, guard_trips
 from .embedded import ensure_agent
 from .guards import Guards
 from .host_memory import HostMemory
 from .identity import detect
 from .loader import LoaderTracker, TimedLoader
-from .memory import MemoryReading
 from .metrics_state import Latest, Totals
 from .publisher import Publisher
 from .reporting import Reporting, config_dict
@@ -45,8 +48,61 @@ T = TypeVar("T")
 
 
 class Patrol:
-    """``with Patrol(run="demo", model=model, optimizer=opt) as patrol:`` then, per batch,
-    ``patrol.step(loss)`` after ``backward()``; iterate batches through ``patrol.loader(...)``."""
+    """Watches one training rank, pushes its health to the agent and carries out actions at step boundaries.
+
+    Build one in every rank, after ``torch.distributed`` is initialised (the ranks agree on actions through
+    it), and call ``step`` once per micro-batch. Patrol acts at the loop's step boundary: before each batch of
+    ``loader``, else right after ``optimizer.step()``, else where the loop calls ``boundary``. Hugging Face and
+    Lightning users take ``TrainPatrolCallback`` from ``trainpatrol.integrations`` instead.
+
+    Args:
+        run: The run's name: the ``run`` label of its series, and what ``trainpatrol pause RUN`` addresses.
+            Overrides ``config.run``.
+        model: Saved and restored by checkpoints; when ``step`` gets no ``grad_norm``, its gradients give one.
+        optimizer: Saved and restored; its ``step()`` is hooked to skip a non-finite update, and to act
+            after it when the loop neither uses ``loader`` nor calls ``boundary``.
+        scheduler: A learning-rate scheduler (any object with ``state_dict``), saved and restored.
+        scaler: A ``torch.amp.GradScaler``, saved and restored; its loss scale is exported.
+        device: Where losses live. Default: the model's first parameter, else the current CUDA device, else CPU.
+        config: Everything else (``PatrolConfig``). Default: ``PatrolConfig()``, filled from the environment.
+        extra_state: Returns this rank's own state to checkpoint (counters, a sampler's offset).
+        load_extra_state: Takes that state back in ``restore``.
+        save_fn: ``save_fn(directory, state)`` writes the model/optimizer/scheduler/scaler state in place of
+            ``state.pt`` (rank 0 only); ``restore`` does not read it back.
+        **overrides: ``PatrolConfig`` fields, set over ``config``.
+
+    Raises:
+        TypeError: An override that is not a ``PatrolConfig`` field.
+        ValueError: A config value out of range; the message quotes it.
+
+    Environment, read for what neither ``config`` nor ``overrides`` sets: ``TRAINPATROL_RUN``,
+    ``TRAINPATROL_AGENT_URL`` (default http://127.0.0.1:9402; local rank 0 starts an agent there when none
+    answers), ``TRAINPATROL_TOKEN`` or ``TRAINPATROL_TOKEN_FILE``, ``TRAINPATROL_RUN_KEY``,
+    ``TRAINPATROL_CHECKPOINT_DIR``, ``TRAINPATROL_EVIDENCE_DIR``, ``TRAINPATROL_EMBEDDED_AGENT_IDLE_SECONDS``;
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` when ``torch.distributed`` is not initialised;
+    ``LOCAL_WORLD_SIZE``; the pod's and launcher's identity (``probe/workload.py``).
+
+    Attributes:
+        config: The ``PatrolConfig`` in effect.
+        optimizer: The hooked optimizer; assign one (or ``None``) to hook another.
+        step_count: Optimizer steps completed, counting from the restored checkpoint's.
+        state: ``running``, ``pausing``, ``paused``, ``stopping``, ``stopped`` or ``closed``.
+        actions: The last 32 actions, oldest first: ``ActionRecord`` (action, outcome, step, detail, evidence).
+        last_checkpoint: The directory of the last checkpoint written or restored; ``""`` before one.
+        last_evidence: The directory of the last evidence bundle; ``""`` before one.
+
+    Example::
+
+        from trainpatrol import Patrol
+
+        with Patrol(run="my-run", model=model, optimizer=opt) as patrol:  # rank/world from torch.distributed or env
+            restored = patrol.restore("latest")  # false (restored.reason says why) when there is nothing to restore
+            for epoch in range(restored.epoch, epochs):
+                for batch in patrol.loader(train_loader):  # times loader waits; acts at step boundaries
+                    loss = model(batch).loss; loss.backward()
+                    patrol.step(loss)  # after backward, before opt.step(); grad_norm=clip_grad_norm_'s if you clip
+                    opt.step(); opt.zero_grad()
+    """
 
     def __init__(self, run: str | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, *, scheduler: Any = None, scaler: Any = None,
@@ -61,220 +117,216 @@ class Patrol:
         if device is None and model is not None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else None
-        self.identity = detect(torch.device(device) if device is not None else None)
-        self.device = self.identity.device
-        self.workload = detect_workload()
-        self.history, self.totals, self.latest = History(cfg.window), Totals(), Latest()
-        self.guards = Guards(cfg.guards)
-        self.recorder = StepRecorder(cfg, self.device, self.history, self.totals, self.latest, self.guards,
-                                     lambda tripped: self.control.trip(tripped),
-                                     list(model.parameters()) if model is not None else [])
+        self._identity = identity = detect(torch.device(device) if device is not None else None)
+        self._device = identity.device
+        self._model, self._scheduler = model, scheduler
         self._hooks: UpdateHooks | None = None
         self._framework = False
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        self.loader_tracker = LoaderTracker()
-        self.host_memory = HostMemory(cfg.host_memory_limit_bytes)
         self._best_val = math.inf
-        self.validation_history: deque[dict[str, float]] = deque(maxlen=256)
-        self.record = RunRecord()
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints, save_fn=save_fn)
-        self.training = TrainingState(lambda: {name: getattr(self, name) for name in STATEFUL}, self.loader_tracker,
-                                      extra_state, load_extra_state)
-        self.evidence = EvidenceWriter(cfg.evidence_dir, self.identity.rank, self.device,
-                                       history=self.history.dump, config=self.config_dict,
-                                       nvml=lambda: fetch_nvml(cfg.agent_url, cfg.token))
-        self.control = ControlLoop(cfg, self.identity, self.recorder, record=self.record,
-                                   checkpointer=self.checkpointer, evidence=self.evidence, training=self.training,
-                                   wake=lambda: self.publisher.wake(), announce=lambda: self.publisher.push_now(),
-                                   context=lambda: self.reporting.evidence_context(), rearm_guards=self.guards.rearm)
-        self.commands, self.coordinator, self.executor = \
-            self.control.commands, self.control.coordinator, self.control.executor
-        self.reporting = Reporting(cfg, self.identity, self.workload, self.recorder, self.guards, self.record,
-                                   self.host_memory, self.loader_tracker, self.commands.done, self.validation_history)
+        # what is recorded, and what reads it
+        self._history, self._totals, self._latest = History(cfg.window), Totals(), Latest()
+        self._guards = Guards(cfg.guards)
+        self._record = RunRecord()
+        self._loader_tracker = LoaderTracker()
+        self._validation_history: deque[dict[str, float]] = deque(maxlen=256)
+        # The one cycle: the publisher hands the agent's commands to the book, and a request wakes the
+        # publisher at once; ``publisher`` is bound below, before anything can request.
+        self._commands = CommandBook(cfg.run, time.time(), on_request=lambda: publisher.wake())
+        self._coordinator = Coordinator(self._device, target_seconds=cfg.control_target_seconds)
+        self._recorder = StepRecorder(cfg, self._device, self._history, self._totals, self._latest, self._guards,
+                                      guard_trips(self._commands, cfg.guard_actions),
+                                      list(model.parameters()) if model is not None else [])
+        self._recorder.scaler = scaler
+        self.optimizer = optimizer
+        self._checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints, save_fn=save_fn)
+        self._training = TrainingState(self._stateful, self._loader_tracker, extra_state, load_extra_state)
+        self._evidence = EvidenceWriter(cfg.evidence_dir, identity.rank, self._device, history=self._history.dump,
+                                        config=partial(config_dict, cfg),
+                                        nvml=partial(fetch_nvml, cfg.agent_url, cfg.token))
+        self._reporting = Reporting(cfg, identity, detect_workload(), self._recorder, self._guards, self._record,
+                                    HostMemory(cfg.host_memory_limit_bytes), self._loader_tracker,
+                                    self._commands.done, self._validation_history)
+        self._publisher = publisher = Publisher(
+            cfg.agent_url, self._reporting.snapshot, self._commands.from_agent, token=cfg.token,
+            run_key=run_key(cfg.run_key, self._coordinator.distributed, self._device),
+            interval=cfg.push_interval_seconds)
+        self._reporting.dropped = lambda: publisher.dropped
+        self._control = ControlLoop(cfg, identity, self._recorder, commands=self._commands,
+                                    coordinator=self._coordinator, record=self._record,
+                                    checkpointer=self._checkpointer, evidence=self._evidence, training=self._training,
+                                    announce=publisher.push_now, context=self._reporting.evidence_context,
+                                    rearm_guards=self._guards.rearm)
         if cfg.record_memory_history:
             set_recording(True)
         if cfg.embedded_agent:
-            ensure_agent(cfg.agent_url, self.identity.local_rank, cfg.embedded_agent_idle_seconds)
-        self.publisher = Publisher(cfg.agent_url, self.reporting.snapshot, self.commands.from_agent, token=cfg.token,
-                                   run_key=run_key(cfg.run_key, self.coordinator.distributed, self.device),
-                                   interval=cfg.push_interval_seconds)
-        self.reporting.dropped = lambda: self.publisher.dropped
-        self.publisher.start()
+            ensure_agent(cfg.agent_url, identity.local_rank, cfg.embedded_agent_idle_seconds)
+        publisher.start()
 
-    # --- what the executor records --------------------------------------------------------------
-    @property
-    def state(self) -> str:
-        return self.record.state
-
-    @property
-    def actions(self) -> deque[ActionRecord]:
-        return self.record.actions
-
-    @property
-    def last_checkpoint(self) -> str:
-        return self.record.last_checkpoint
-
-    @property
-    def last_evidence(self) -> str:
-        return self.record.last_evidence
-
-    @property
-    def extra_state(self) -> Callable[[], dict[str, Any]] | None:
-        return self.training.extra_state
-
-    @extra_state.setter
-    def extra_state(self, extra_state: Callable[[], dict[str, Any]] | None) -> None:
-        self.training.extra_state = extra_state
-
-    @property
-    def load_extra_state(self) -> Callable[[dict[str, Any]], None] | None:
-        return self.training.load_extra_state
-
-    @load_extra_state.setter
-    def load_extra_state(self, load_extra_state: Callable[[dict[str, Any]], None] | None) -> None:
-        self.training.load_extra_state = load_extra_state
-
-    @property
-    def best_pending(self) -> float | None:
-        """A new best validation loss that the next checkpoint is marked with (see ``evaluate``)."""
-        return self.training.best_pending
-
-    # --- the loop -----------------------------------------------------------------------------
+    # --- what users read ------------------------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        return self.recorder.optimizer
+        return self._recorder.optimizer
 
     @optimizer.setter
     def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Setting it (also after construction) hooks its steps: the non-finite skip and acting after the step."""
+        # the hooks skip a non-finite update on the device and act after the step
         if self._hooks is not None:
             self._hooks.remove()
-        self.recorder.optimizer = optimizer
+        self._recorder.optimizer = optimizer
         self._hooks = None if optimizer is None else \
             UpdateHooks(optimizer, skip=self.config.skip_nonfinite_updates, after_step=self._after_optimizer_step)
         if self._hooks is not None and self._framework:
             self._hooks.judge_from_grads = True
-        self.recorder.hooks = self._hooks
-
-    @property
-    def scaler(self) -> Any:
-        return self.recorder.scaler
-
-    @scaler.setter
-    def scaler(self, scaler: Any) -> None:
-        self.recorder.scaler = scaler
+        self._recorder.hooks = self._hooks
 
     @property
     def step_count(self) -> int:
-        """Optimizer steps completed (restored by ``restore``)."""
-        return self.totals.steps
+        return self._totals.steps
 
+    @property
+    def state(self) -> str:
+        return self._record.state
+
+    @property
+    def actions(self) -> deque[ActionRecord]:
+        return self._record.actions
+
+    @property
+    def last_checkpoint(self) -> str:
+        return self._record.last_checkpoint
+
+    @property
+    def last_evidence(self) -> str:
+        return self._record.last_evidence
+
+    # --- the loop -----------------------------------------------------------------------------
     def loader(self, loader: Iterable[T]) -> TimedLoader[T]:
-        """Wrap a batch iterable: times each wait and runs ``boundary()`` before each fetch."""
-        self.reporting.audit_loader(loader, self.device.type == "cuda")
-        return TimedLoader(loader, self.boundary, self.waited, self.loader_tracker)
+        """Wrap the training batches: time each wait, act before each fetch, and keep the position for checkpoints.
 
-    def waited(self, seconds: float) -> None:
-        """Report time spent waiting for a batch (done by ``loader``; for frameworks that fetch themselves)."""
-        self.recorder.waited(seconds)
+        Args:
+            loader: The batches, usually a ``DataLoader``. Its position and the RNG it draws from are saved, so
+                ``restore`` continues mid-epoch with the same batches.
 
-    def start_at(self, step: int) -> None:
-        """Continue counting from ``step`` (a resumed run); ``restore`` does this itself."""
-        self.recorder.start_at(step)
-        self.coordinator.next_exchange = step + self.coordinator.interval
+        Returns:
+            The same batches (and ``len``). A ``pause`` waits before the next fetch until ``resume``.
+
+        Raises:
+            SystemExit: Code 86 (``trainpatrol.STOP_EXIT_CODE``) once a ``stop`` is agreed and checkpointed.
+        """
+        self._reporting.audit_loader(loader, self._device.type == "cuda")
+        return TimedLoader(loader, self.boundary, self._recorder.waited, self._loader_tracker)
 
     def step(self, loss: torch.Tensor, *, grad_norm: torch.Tensor | float | None = None,
              batch_size: int | None = None, tokens: int | None = None,
              learning_rates: list[float] | None = None) -> None:
-        """Record one micro-step; every ``grad_accum_steps``-th call closes an optimizer step.
+        """Record one micro-batch; every ``grad_accum_steps``-th call closes an optimizer step.
 
-        Call after ``backward()`` and before ``optimizer.step()``/``zero_grad()``. Pass the total
-        returned by ``clip_grad_norm_`` as ``grad_norm`` to reuse it.
+        Call after ``backward()``, before ``optimizer.step()`` and ``zero_grad()``. Nothing is read on the host:
+        the values are copied off the device and read one step later.
+
+        Args:
+            loss: The micro-batch's loss, unscaled: not divided for accumulation (Patrol averages).
+            grad_norm: The pre-clip total that ``clip_grad_norm_`` returns, on the step's last micro-batch.
+                Default: computed from the model's gradients when Patrol has a model, else none.
+            batch_size: Samples, added to ``trainpatrol_samples_total``.
+            tokens: Tokens, added to ``trainpatrol_tokens_total``.
+            learning_rates: One per param group. Default: read from the optimizer.
+
+        Raises:
+            RuntimeError: On the CPU, when an action is waiting and the loop has no boundary where Patrol can
+                act: no ``loader``, no ``optimizer``, no ``boundary()`` call.
         """
-        closed = self.recorder.record(loss, grad_norm, batch_size, tokens, learning_rates)
+        closed = self._recorder.record(loss, grad_norm, batch_size, tokens, learning_rates)
         # only a CPU step checks: a CUDA step keeps its cost to what it must do
-        if closed and self.recorder.on_cpu and self.commands and self._hooks is None \
-                and not self.control.boundary_driven:
-            self.control.cannot_act()
-
-    def evaluate(self, val_loss: float | torch.Tensor) -> None:
-        """Record a validation loss (evaluation is off the hot path, so a tensor is read here). A new best one
-        is checkpointed at the next boundary, and that checkpoint is kept (``keep_best_checkpoint``)."""
-        self.recorder.absorb_host()
-        value = float(val_loss)
-        self.latest.validation_loss = value
-        self.validation_history.append({"step": self.totals.steps, "value": value, "time": time.time()})
-        if self.config.keep_best_checkpoint and value < self._best_val:
-            self._best_val = self.training.best_pending = value
-            self.request("checkpoint", f"new best validation loss {value:.6g}", source="best_validation_loss")
-
-    def restored_best(self, value: float) -> None:
-        """The best validation loss of the run this one restores (a later one must beat it)."""
-        self._best_val = min(self._best_val, value)
-
-    # --- control ------------------------------------------------------------------------------
-    def request(self, action: str, reason: str = "", source: str = "local", command_id: int | None = None,
-                alert: dict[str, Any] | None = None) -> int:
-        """Ask for an action at the next agreed boundary (what guards and the agent's commands do)."""
-        return self.commands.request(action, reason, source, command_id, alert)
-
-    def control_word(self) -> list[int]:
-        return self.control.control_word()
+        if closed and self._recorder.on_cpu and self._commands and self._hooks is None \
+                and not self._control.boundary_driven:
+            self._control.cannot_act()
 
     def boundary(self) -> None:
-        """The step boundary: exchange the control word when due and carry out agreed actions. Called by
-        ``loader`` before each batch; a loop or framework that calls it itself takes over from the hook
-        after ``optimizer.step()``."""
-        self.control.boundary_driven = True
-        self.control.boundary()
+        """Act here: exchange the control word with the other ranks when due and carry out agreed actions.
 
-    def framework_drives(self) -> None:
-        """A framework callback feeds this Patrol after each optimizer step and runs ``boundary()`` itself:
-        Patrol stops acting from its optimizer hook, and judges each update from the gradients before it."""
-        self.control.boundary_driven = self._framework = True
-        if self._hooks is not None:
-            self._hooks.judge_from_grads = True
+        For a loop without ``loader``; once called, Patrol no longer acts after ``optimizer.step()``. Call it
+        between optimizer steps, at the same point on every rank. A ``pause`` waits here until ``resume``.
 
-    def judge_update(self, grad_norm: torch.Tensor | None) -> None:
-        """For frameworks whose ``optimizer.step()`` runs a closure (forward and backward) before updating:
-        call after backward, inside the step; a non-finite ``grad_norm`` skips this update."""
-        if self._hooks is not None and grad_norm is not None:
-            self._hooks.decide(self._hooks.flag(grad_norm))
+        Raises:
+            SystemExit: Code 86 (``trainpatrol.STOP_EXIT_CODE``) once a ``stop`` is agreed and checkpointed.
+        """
+        self._control.boundary_driven = True
+        self._control.boundary()
 
-    def _after_optimizer_step(self) -> None:
-        if not self.control.boundary_driven:
-            self.control.boundary()
+    def evaluate(self, val_loss: float | torch.Tensor) -> None:
+        """Record a validation loss. A new best is checkpointed at the next boundary, and that checkpoint is
+        never rotated away (``PatrolConfig.keep_best_checkpoint``).
 
-    # --- state out ----------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
-        """The push payload (see trainpatrol.protocol.RankSnapshot)."""
-        return self.reporting.snapshot()
+        Args:
+            val_loss: The loss; a tensor is read on the host here (evaluation is off the hot path).
+        """
+        self._recorder.absorb_host()
+        value = float(val_loss)
+        self._latest.validation_loss = value
+        self._validation_history.append({"step": self._totals.steps, "value": value, "time": time.time()})
+        if self.config.keep_best_checkpoint and value < self._best_val:
+            self._best_val = self._training.best_pending = value
+            self.request("checkpoint", f"new best validation loss {value:.6g}", source="best_validation_loss")
 
-    def config_dict(self) -> dict[str, Any]:
-        return config_dict(self.config)
-
-    # --- restore, close, OOM forensics --------------------------------------------------------
     def restore(self, path: str | Path = "latest") -> Restored:
-        """Load model, optimizer, scheduler, scaler, RNG, the loader's position and extra state.
+        """Load a checkpoint: model, optimizer, scheduler, scaler, RNG, the loader's position and extra state.
 
-        ``"latest"`` is the newest checkpoint whose state is finite. Returns what was restored and why (false
-        when there is nothing to restore: a fresh run)."""
-        self.recorder.absorb_host()
-        restored = self.executor.restore(path)
+        Args:
+            path: ``"latest"``: the newest complete checkpoint whose state is finite. Else a checkpoint directory.
+
+        Returns:
+            What was restored: ``step``, ``path``, ``epoch``, ``reason`` and the newer checkpoints ``skipped``
+            with why. False when ``"latest"`` finds nothing to restore (a fresh run).
+
+        Raises:
+            FileNotFoundError: ``path`` is not a complete checkpoint (no ``meta.json``).
+
+        Example::
+
+            restored = patrol.restore("latest")
+            for epoch in range(restored.epoch, epochs): ...
+        """
+        self._recorder.absorb_host()
+        restored = self._control.executor.restore(path)
         if restored:
-            self.start_at(restored.step)
-            best = self.executor.best_validation_loss()
-            if best is not None:
-                self.restored_best(best)
+            self._start_at(restored.step)
+            best = self._control.executor.best_validation_loss()
+            if best is not None:  # a later best must beat the restored run's
+                self._best_val = min(self._best_val, best)
         return restored
 
+    def request(self, action: str, reason: str = "", *, source: str = "local") -> int:
+        """Ask for an action; every rank carries it out at the same, next agreed boundary.
+
+        Args:
+            action: ``checkpoint``, ``pause``, ``resume``, ``stop``, ``empty_cache`` or ``capture``.
+            reason: Why, for the logs and the evidence bundle.
+            source: Who asks, recorded with it.
+
+        Returns:
+            The command's id. An action already pending is not queued twice.
+
+        Raises:
+            ValueError: ``action`` is not one of these.
+
+        Example::
+
+            if patrol.step_count % 1000 == 0:
+                patrol.request("checkpoint", "every 1000 steps")
+        """
+        if action not in ACTIONS:
+            raise ValueError(f"`Patrol.request({action!r})`: not an action; expected one of {', '.join(ACTIONS)}.")
+        return self._commands.request(action, reason, source)
+
     def close(self) -> None:
+        """Read the last steps back, push a final snapshot and unhook the optimizer (leaving ``with`` does it)."""
         if self.state == "closed":
             return
-        self.recorder.catch_up(wait=True)
+        self._recorder.catch_up(wait=True)
         if self.state not in ("stopped",):
-            self.record.state = "closed"
-        self.publisher.stop(final_push=True)
+            self._record.state = "closed"
+        self._publisher.stop(final_push=True)
         if self._hooks is not None:
             self._hooks.remove()
 
@@ -283,16 +335,59 @@ class Patrol:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        """``close``; after a ``torch.OutOfMemoryError``, first an evidence bundle. The exception propagates."""
         if isinstance(exc, torch.OutOfMemoryError):
-            self.oom_forensics(exc)
+            self._oom_forensics(exc)
         self.close()
 
-    def oom_forensics(self, exc: BaseException) -> Path:
+    # --- inside -------------------------------------------------------------------------------
+    def _stateful(self) -> dict[str, Any]:
+        return dict(zip(STATEFUL, (self._model, self.optimizer, self._scheduler, self._recorder.scaler), strict=True))
+
+    def _start_at(self, step: int) -> None:
+        self._recorder.start_at(step)
+        self._coordinator.next_exchange = step + self._coordinator.interval
+
+    def _after_optimizer_step(self) -> None:
+        if not self._control.boundary_driven:
+            self._control.boundary()
+
+    def _oom_forensics(self, exc: BaseException) -> Path:
         """Write an evidence directory for an OOM and push a final snapshot; the caller re-raises."""
-        bundle = self.reporting.oom_evidence(self.evidence, exc)
-        self.publisher.push_now()
-        log.error("trainpatrol: out of memory at step %d; evidence in %s", self.totals.steps, bundle)
+        bundle = self._reporting.oom_evidence(self._evidence, exc)
+        self._publisher.push_now()
+        log.error("trainpatrol: out of memory at step %d; evidence in %s", self._totals.steps, bundle)
         return bundle
 
-    def memory_reading(self) -> MemoryReading | None:
-        return self.latest.memory
+    # --- framework hooks: only trainpatrol.integrations calls these ---------------------------
+    def _attach(self, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                scheduler: Any) -> bool:
+        """A framework callback takes over at its global ``step``: it fills in what this Patrol was built
+        without, calls ``boundary()`` itself after each optimizer step, and each update is judged from the
+        gradients before it. Returns whether the ranks agree through ``torch.distributed``."""
+        self._model = self._model or model
+        self._scheduler = self._scheduler or scheduler
+        self._framework = self._control.boundary_driven = True
+        self.optimizer = self.optimizer or optimizer  # hooked anew, judging from the gradients
+        self._start_at(step)
+        return self._coordinator.distributed
+
+    def _waited(self, seconds: float) -> None:
+        """Time the framework spent fetching a batch."""
+        self._recorder.waited(seconds)
+
+    def _judge_update(self, grad_norm: torch.Tensor | None) -> None:
+        """For ``optimizer.step()`` that runs forward and backward in a closure before it updates: call after
+        backward, inside the step; a non-finite ``grad_norm`` skips this update."""
+        if self._hooks is not None and grad_norm is not None:
+            self._hooks.decide(self._hooks.flag(grad_norm))
+
+    def _framework_step(self, step: int, backward_passes: int, loss: torch.Tensor | None, **values: Any) -> None:
+        """The framework's optimizer step ``step`` over ``backward_passes`` micro-batches; without a loss it is
+        counted only. ``values``: ``step``'s keywords."""
+        self._totals.steps = step - 1
+        self._totals.micro_steps += max(0, backward_passes - 1)  # the last one is counted with the step
+        if loss is None:
+            self._totals.steps, self._totals.micro_steps = step, self._totals.micro_steps + 1
+        else:
+            self.step(loss, **values)
