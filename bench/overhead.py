@@ -198,7 +198,7 @@ def bench_case(case: Case, device: torch.device, quick: bool, agent_url: str, dd
         order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
         for v in order:
             times[v].append(timed(v, steps))
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     probe = next((s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_probe_overhead_ratio"), math.nan)
     patrol.close()
     med = {v: statistics.median(t) for v, t in times.items()}

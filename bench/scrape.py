@@ -83,7 +83,7 @@ def patrol_snapshot() -> dict[str, Any]:
             patrol.boundary()
             patrol.step(torch.tensor(3.0 - 0.005 * i), grad_norm=torch.tensor(0.8 + 0.001 * i), batch_size=32,
                         tokens=32 * 1024, learning_rates=[3e-4])
-        snap = patrol._reporting.snapshot()
+        snap = patrol._report.snapshot()
         patrol._publisher.stop(final_push=False)
     snap.update(world_size=WORLD_SIZE, host="bench-node", gpu_uuid="GPU-00000000-0000-0000-0000-000000000000")
     return snap

@@ -46,7 +46,7 @@ def test_the_accumulation_loop_exports_the_unscaled_loss_every_backward_pass_and
                                                               guard_actions={}))
     with caplog.at_level(logging.WARNING, logger="trainpatrol"):
         truth = accumulate(patrol, model, opt, 12, clip_first=False)
-        patrol._reporting.snapshot()  # folds the last CPU steps in
+        patrol._report.snapshot()  # folds the last CPU steps in
     assert patrol.step_count == 12 and patrol._totals.micro_steps == 12 * ACCUM
     for step, (loss, norm) in enumerate(truth, start=1):
         rec = patrol._history.get(step)
@@ -63,7 +63,7 @@ def test_a_norm_read_after_clipping_is_warned_about_once(tmp_path: Path, caplog:
                                                               guard_actions={}))
     with caplog.at_level(logging.WARNING, logger="trainpatrol"):
         accumulate(patrol, model, opt, 20, clip_first=True)
-        patrol._reporting.snapshot()
+        patrol._report.snapshot()
     warnings = [r.getMessage() for r in caplog.records if "looks clipped" in r.getMessage()]
     assert len(warnings) == 1 and "read 1 on 8 steps in a row" in warnings[0]
     patrol.close()

@@ -104,8 +104,8 @@ def test_a_healthy_loop_with_two_workers_exports_each_resident_set_and_stays_qui
                 if time.monotonic() - began >= 18:
                     break
         workers = [w.pid for w in loader._iterator._workers]  # type: ignore[union-attr]
-        seq = patrol._reporting.seq
-        wait_for(lambda: patrol._reporting.seq > seq + 1, 5, what="a push after the loop")
+        seq = patrol._report.seq
+        wait_for(lambda: patrol._report.seq > seq + 1, 5, what="a push after the loop")
         body = http_get(url + "/metrics")
         rank_rss, worker_rss = statm_rss(), [statm_rss(pid) for pid in workers]
         patrol.close()
@@ -125,15 +125,15 @@ def test_a_healthy_loop_with_two_workers_exports_each_resident_set_and_stays_qui
 def test_host_memory_is_read_where_a_push_is_built_never_in_step(tmp_path: Path) -> None:
     patrol = scripted_patrol(tmp_path, guard_actions={})
     reads: list[int] = []
-    read = patrol._reporting.host_memory.read
+    read = patrol._report.host_memory.read
 
     def counted(*args: object, **kwargs: object) -> object:
         reads.append(1)
         return read(*args, **kwargs)  # type: ignore[arg-type]
-    patrol._reporting.host_memory.read = counted  # type: ignore[method-assign]
+    patrol._report.host_memory.read = counted  # type: ignore[method-assign]
     run_scripted(patrol, [1.0] * 200)
     assert reads == []
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert len(reads) == 1
     (resident,) = [s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_host_memory_resident_bytes"]
     assert resident == pytest.approx(statm_rss(), rel=0.1)

@@ -43,7 +43,7 @@ def train(patrol: Patrol, loader: SlowLoader, clock: Clock) -> None:
 
 
 def value(patrol: Patrol, name: str) -> float:
-    samples = patrol._reporting.snapshot()["samples"]
+    samples = patrol._report.snapshot()["samples"]
     return float(next(s["value"] for s in samples if s["name"] == "trainpatrol_" + name))
 
 

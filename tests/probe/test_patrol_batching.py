@@ -50,13 +50,13 @@ def test_the_publisher_sees_batches_the_training_thread_every_step(tmp_path: Pat
     patrol = batched(tmp_path, guard_actions={})
     run_scripted(patrol, [float(i) for i in range(1, 21)])
     seen: list[dict[str, Any]] = []
-    publisher = threading.Thread(target=lambda: seen.append(patrol._reporting.snapshot()))
+    publisher = threading.Thread(target=lambda: seen.append(patrol._report.snapshot()))
     publisher.start()
     publisher.join()
     assert value(seen[0], "step_total") == 20  # counted at once
     assert value(seen[0], "loss") == 17.0  # steps 2-17 were folded at step 17
     assert patrol._history.records[-1].step == 17  # another thread's snapshot folds nothing in
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "loss") == 20.0
     assert [r.step for r in patrol._history.records] == list(range(1, 21))
     assert [r.loss for r in patrol._history.records] == [float(i) for i in range(1, 21)]
@@ -73,12 +73,12 @@ def test_learning_rate_is_the_last_steps_when_a_scheduler_moved_it_since(tmp_pat
     for _ in range(3):
         patrol.step(torch.tensor(1.0))
     opt.param_groups[0]["lr"] = 0.25  # what a scheduler does after the step
-    assert value(patrol._reporting.snapshot(), "learning_rate", param_group="0") == 0.5
+    assert value(patrol._report.snapshot(), "learning_rate", param_group="0") == 0.5
     patrol.step(torch.tensor(1.0), learning_rates=[0.125])
     patrol.step(torch.tensor(1.0))
-    assert value(patrol._reporting.snapshot(), "learning_rate", param_group="0") == 0.25
+    assert value(patrol._report.snapshot(), "learning_rate", param_group="0") == 0.25
     patrol.step(torch.tensor(1.0), learning_rates=[0.125])
-    assert value(patrol._reporting.snapshot(), "learning_rate", param_group="0") == 0.125
+    assert value(patrol._report.snapshot(), "learning_rate", param_group="0") == 0.125
     patrol.close()
 
 

@@ -36,7 +36,7 @@ def test_nan_counted_without_any_push(tmp_path: Path) -> None:
     patrol = scripted_patrol(tmp_path, guard_actions={})
     losses = losses_with_nan(20, nan_at=7)
     run_scripted(patrol, losses, grad_norms=[1.0] * 20)
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     RankSnapshot.model_validate(snap)  # the push payload is what the agent accepts
     assert patrol._publisher.delivered == 0
     assert value(snap, "nonfinite_steps_total", kind="loss") == 1
@@ -56,7 +56,7 @@ def test_window_statistics_and_grad_norm_max(tmp_path: Path) -> None:
     losses = [8.0, 4.0, 2.0, 1.0, 0.5, 0.25]
     norms = [1.0, 9.0, 2.0, 3.0, 0.5, math.inf]
     run_scripted(patrol, losses, grad_norms=norms)
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "loss_window_mean") == (2.0 + 1.0 + 0.5 + 0.25) / 4
     assert value(snap, "loss_window_max") == 2.0
     assert value(snap, "grad_norm_window_max") == 3.0  # the Inf is counted, not maxed
@@ -70,7 +70,7 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
     patrol = scripted_patrol(tmp_path, grad_accum_steps=4, guard_actions={})
     micro = [1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0]
     run_scripted(patrol, micro)
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "micro_step_total") == 8
     assert value(snap, "step_total") == 2
     assert value(snap, "loss") == 25.0  # the mean of the second optimizer step's micro-losses
@@ -92,7 +92,7 @@ def test_foreach_grad_norm_matches_reference(tmp_path: Path) -> None:
                        push_interval_seconds=3600)
     patrol = Patrol(model=model, config=cfg)
     patrol.step(loss)
-    assert value(patrol._reporting.snapshot(), "grad_norm") == pytest.approx(float(reference), rel=1e-6)
+    assert value(patrol._report.snapshot(), "grad_norm") == pytest.approx(float(reference), rel=1e-6)
     patrol.close()
 
 
@@ -103,7 +103,7 @@ def test_learning_rate_per_param_group_and_validation_loss(tmp_path: Path) -> No
     patrol = Patrol(optimizer=opt, config=cfg, device="cpu")
     patrol.step(torch.tensor(1.0))
     patrol.evaluate(torch.tensor(0.75))
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "learning_rate", param_group="0") == 0.5
     assert value(snap, "learning_rate", param_group="1") == 0.25
     assert value(snap, "validation_loss") == 0.75
@@ -125,7 +125,7 @@ def test_amp_skipped_steps_and_loss_scale(tmp_path: Path) -> None:
         scaler.update()
         opt.zero_grad()
     patrol.close()
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "amp_skipped_steps_total") == 1
     assert value(snap, "amp_loss_scale") == 512.0
     assert value(snap, "nonfinite_steps_total", kind="loss") == 1
@@ -155,7 +155,7 @@ def test_dataloader_audit_and_wait_ratio(tmp_path: Path, monkeypatch: pytest.Mon
     for x in patrol.loader(data):
         clock.now += 0.006  # the step's compute
         patrol.step(x.mean(), batch_size=len(x))
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "dataloader_warning", check="num_workers_zero") == 1
     assert value(snap, "dataloader_warning", check="pin_memory_off") == 0  # CPU: pinning is irrelevant
     info = next(s for s in snap["samples"] if s["name"] == "trainpatrol_dataloader_info")["labels"]
@@ -192,7 +192,7 @@ def test_allocator_metrics_leak_slope_and_fragmentation_guard(tmp_path: Path) ->
     reader = ScriptedAllocator(reserved=5 * GIB, fragmented_from=8)
     patrol = scripted_patrol(tmp_path, memory_reader=reader, memory_interval_seconds=0.0, guard_actions={})
     run_scripted(patrol, [1.0] * 10)
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     allocated = 4 * GIB + 10 * 2**20
     assert value(snap, "cuda_memory_allocated_bytes") == allocated
     assert value(snap, "cuda_memory_reserved_bytes") == allocated / 0.5
@@ -222,7 +222,7 @@ def test_loss_spike_and_grad_explosion_guards(tmp_path: Path) -> None:
     losses = [1.0] * 10 + [5.0] + [1.0] * 5
     norms = [2.0] * 12 + [25.0] + [2.0] * 3
     run_scripted(patrol, losses, grad_norms=norms)
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "guard_trips_total", guard="loss_spike") == 1
     assert value(snap, "guard_trips_total", guard="grad_norm_explosion") == 1
     assert value(snap, "guard_trips_total", guard="nonfinite_loss") == 0
@@ -237,10 +237,10 @@ def test_loss_stagnation_trips_on_a_flat_loss_and_not_on_a_falling_one(tmp_path:
     patrol = scripted_patrol(tmp_path, guards=guards,
                              guard_actions={"loss_stagnation": action} if action else {})
     run_scripted(patrol, [2.0 - 0.02 * i for i in range(60)])  # falling 1 % a step: never stagnant
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "guard_trips_total", guard="loss_stagnation") == 0
     run_scripted(patrol, [0.8] * 60)  # flat: the older half no longer beats the newer one
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     assert value(snap, "guard_trips_total", guard="loss_stagnation") == 1
     assert value(snap, "guard_active", guard="loss_stagnation") == 1
     if action:
@@ -276,7 +276,7 @@ def test_rank_info_and_overhead_ratio(tmp_path: Path, monkeypatch: pytest.Monkey
     for _ in range(30):
         clock.now += 0.098  # the training step's own work
         patrol.step(torch.tensor(1.0))
-    snap = patrol._reporting.snapshot()
+    snap = patrol._report.snapshot()
     info = next(s for s in snap["samples"] if s["name"] == "trainpatrol_rank_info")["labels"]
     assert info["device"] == "cpu" and info["world_size"] == "1" and info["torch_version"] == torch.__version__
     # the window's 20 steps each last 98 ms of training and 2 ms of probe

@@ -14,7 +14,7 @@ import torch
 from loops import scripted_patrol
 from rank_client import counter, make_agent
 from servers import agent_in_thread, wait_for
-from trainpatrol.probe.reporting import config_dict
+from trainpatrol.probe.snapshot import config_dict
 
 
 def test_a_patrols_pushes_carry_its_run_key_and_a_forger_is_refused(tmp_path: Path) -> None:

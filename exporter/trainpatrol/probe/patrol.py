@@ -36,8 +36,8 @@ from .identity import detect
 from .loader import LoaderTracker, TimedLoader
 from .metrics_state import Latest, Totals
 from .publisher import Publisher
-from .reporting import Reporting, config_dict
 from .run_key import run_key
+from .snapshot import RankReport, config_dict
 from .step_recorder import StepRecorder
 from .update_hooks import UpdateHooks
 from .window import History
@@ -143,18 +143,18 @@ class Patrol:
         self._evidence = EvidenceWriter(cfg.evidence_dir, identity.rank, self._device, history=self._history.dump,
                                         config=partial(config_dict, cfg),
                                         nvml=partial(fetch_nvml, cfg.agent_url, cfg.token))
-        self._reporting = Reporting(cfg, identity, detect_workload(), self._recorder, self._guards, self._record,
+        self._report = RankReport(cfg, identity, detect_workload(), self._recorder, self._guards, self._record,
                                     HostMemory(cfg.host_memory_limit_bytes), self._loader_tracker,
                                     self._commands.done, self._validation_history)
         self._publisher = publisher = Publisher(
-            cfg.agent_url, self._reporting.snapshot, self._commands.from_agent, token=cfg.token,
+            cfg.agent_url, self._report.snapshot, self._commands.from_agent, token=cfg.token,
             run_key=run_key(cfg.run_key, self._coordinator.distributed, self._device),
             interval=cfg.push_interval_seconds)
-        self._reporting.dropped = lambda: publisher.dropped
+        self._report.dropped = lambda: publisher.dropped
         self._control = ControlLoop(cfg, identity, self._recorder, commands=self._commands,
                                     coordinator=self._coordinator, record=self._record,
                                     checkpointer=self._checkpointer, evidence=self._evidence, training=self._training,
-                                    announce=publisher.push_now, context=self._reporting.evidence_context,
+                                    announce=publisher.push_now, context=self._report.evidence_context,
                                     rearm_guards=self._guards.rearm)
         if cfg.record_memory_history:
             set_recording(True)
@@ -213,7 +213,7 @@ class Patrol:
         Raises:
             SystemExit: Code 86 (``trainpatrol.STOP_EXIT_CODE``) once a ``stop`` is agreed and checkpointed.
         """
-        self._reporting.audit_loader(loader, self._device.type == "cuda")
+        self._report.audit_loader(loader, self._device.type == "cuda")
         return TimedLoader(loader, self.boundary, self._recorder.waited, self._loader_tracker)
 
     def step(self, loss: torch.Tensor, *, grad_norm: torch.Tensor | float | None = None,
@@ -354,7 +354,7 @@ class Patrol:
 
     def _oom_forensics(self, exc: BaseException) -> Path:
         """Write an evidence directory for an OOM and push a final snapshot; the caller re-raises."""
-        bundle = self._reporting.oom_evidence(self._evidence, exc)
+        bundle = self._report.oom_evidence(self._evidence, exc)
         self._publisher.push_now()
         log.error("trainpatrol: out of memory at step %d; evidence in %s", self._totals.steps, bundle)
         return bundle

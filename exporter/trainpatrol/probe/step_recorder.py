@@ -57,7 +57,7 @@ class StepRecorder:
         """Whether CPU steps may wait in a batch: not when a guard judged there may act, as its action
         must come at the next boundary (non-finite values and memory readings are judged at once)."""
         self.owner = threading.get_ident()
-        """The thread that records steps: only it folds the CPU batch in (see ``Reporting.snapshot``)."""
+        """The thread that records steps: only it folds the CPU batch in (see ``RankReport.snapshot``)."""
         self._memory_reader = config.memory_reader or default_reader(device)
         self._memory_due = -math.inf if self._memory_reader is not None else math.inf
         self._lrs: list[Any] | None = None

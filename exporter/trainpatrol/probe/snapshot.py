@@ -1,4 +1,4 @@
-"""What the rank reports: the push payload, the host-memory reading taken as it is built, and the
+"""What the rank reports (``RankReport``): the push snapshot, the host-memory reading taken as it is built, and the
 evidence of an out-of-memory error."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def config_dict(config: PatrolConfig) -> dict[str, Any]:
     return d
 
 
-class Reporting:
+class RankReport:
     def __init__(self, config: PatrolConfig, identity: Identity, workload: Workload, recorder: StepRecorder,
                  guards: Guards, record: RunRecord, host_memory: HostMemory, loader_tracker: LoaderTracker,
                  done_commands: Any, validation_history: Any) -> None:
