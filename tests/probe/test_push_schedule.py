@@ -26,13 +26,23 @@ def test_periodic_pushes_wait_for_the_grid_and_failures_back_off(monkeypatch: py
     outcomes = iter([True, True, False, False, False, True])
     waits: list[tuple[float, float]] = []
 
-    def wait(seconds: float) -> None:
-        waits.append((time.time(), seconds))
-        if len(waits) == 6:
-            pub._stop.set()
+    class Wake:
+        """The publisher's wake-up event, recording each wait instead of waiting."""
 
-    monkeypatch.setattr(pub, "_push_periodic", lambda: next(outcomes))
-    monkeypatch.setattr(pub, "_wait", wait)
+        def wait(self, seconds: float) -> bool:
+            waits.append((time.time(), seconds))
+            if len(waits) == 6:
+                pub._stop.set()
+            return False
+
+        def clear(self) -> None:
+            pass
+
+        def set(self) -> None:
+            pass
+
+    monkeypatch.setattr(pub, "push_now", lambda: next(outcomes))
+    monkeypatch.setattr(pub, "_wake", Wake())
     pub._loop()
     grid = [(at + seconds) / 0.5 for at, seconds in (waits[0], waits[1], waits[5])]
     assert all(abs(g - round(g)) < 1e-3 for g in grid), grid  # after a push: the next multiple of 0.5 s
