@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -39,9 +40,15 @@ def push(client: TestClient, key: str = "", headers: dict[str, str] | None = Non
     return client.post("/v1/push", json=snapshot(**fields), headers=h)
 
 
+def now_rfc3339() -> str:
+    """The wall clock as Alertmanager writes times."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() % 1 * 1e6):06d}Z"
+
+
 def alert(fp: str, *, action: str = "pause", run: str = "train", namespace: str = "",
-          alertname: str = "TrainPatrolNonFiniteLoss", starts: str = "2026-12-01T00:00:00Z",
-          **labels: str) -> dict[str, Any]:
+          alertname: str = "TrainPatrolNonFiniteLoss", starts: str = "", **labels: str) -> dict[str, Any]:
+    """An alert as Alertmanager sends it; it began firing now unless ``starts`` says when."""
+    starts = starts or now_rfc3339()
     all_labels = {"alertname": alertname, "run": run, "action": action, "severity": "critical", **labels}
     if namespace:
         all_labels["namespace"] = namespace

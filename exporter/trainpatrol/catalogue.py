@@ -122,6 +122,7 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),
     _a(P + "pushes_total", "counter", "", "Push requests received, by outcome: ok, invalid, unauthorized (agent token), wrong_namespace (a namespace token of another namespace), wrong_run_key (the run is bound to another key), too_large, refused (over a bound).", "outcome"),
     _a(P + "webhook_alerts_total", "counter", "", "Alerts received on the Alertmanager webhook, by outcome.", "outcome"),
+    _a(P + "dropped_ranks_total", "counter", "", "Ranks whose series the agent dropped before their time, by reason: keyless (a run bound a key, its keyless ranks were not its own), superseded (a relaunch with another key took the name), evicted (a new run needed the room of one that gave way).", "reason"),
     _a(P + "control_commands_total", "counter", "", "Control commands queued for ranks, by action and source.", "action", "source"),
     _a(P + "control_commands_refused_total", "counter", "", "Control commands not queued, by action and reason: coalesced (a command of the same action waits already), rate_limited (the run's actions of that kind per minute are used up).", "action", "reason"),
     _a(P + "forwarded_alerts_total", "counter", "", "Alerts forwarded to peer agents, by outcome.", "outcome"),

@@ -24,6 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from loops import scripted_patrol
+from rank_client import now_rfc3339
 from servers import agent, answer_json, free_port, http_get, http_json, wait_for
 from trainpatrol.agent.alerts import Alert, command_id
 from trainpatrol.agent.config import AgentConfig
@@ -89,7 +90,7 @@ def alert(run: str, action: str = "pause", instance: str | None = None) -> dict[
     if instance is not None:
         labels["instance"] = instance
     return {"status": "firing", "labels": labels, "annotations": {"summary": "Loss is NaN or Inf."},
-            "startsAt": "2026-11-30T00:00:00Z", "endsAt": "0001-01-01T00:00:00Z",
+            "startsAt": now_rfc3339(), "endsAt": "0001-01-01T00:00:00Z",
             "generatorURL": "http://prom/graph", "fingerprint": f"fp{next(_fingerprints):06d}"}
 
 

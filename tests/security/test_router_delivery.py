@@ -47,6 +47,8 @@ def test_an_alert_forwarded_while_the_peer_is_down_is_delivered_on_the_resend() 
     router, peer = _agents(peer_port)
     for labels in ({"instance": f"127.0.0.1:{peer_port}"}, {}):  # named by instance, or found by run lookup
         fp, run = f"fp-{len(labels)}", f"B{len(labels)}"
+        with agent_in_thread(peer.app, port=peer_port):
+            _push(peer_port, run)  # the run lives on the peer, which then goes down a while
         body = payload(alert(fp, run=run, **labels))
         with agent_in_thread(router.app) as router_port:
             status, answer = _post(router_port, body)

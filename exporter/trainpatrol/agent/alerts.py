@@ -14,6 +14,7 @@ import re
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -97,6 +98,19 @@ class Deduper:
         self._seen.pop((alert.fingerprint, alert.startsAt, alert.status), None)
 
 
+def _began_before(alert: Alert, bound_at: float | None) -> bool:
+    """The alert began firing before its run's key was bound: its series were not the run's (keyless
+    pushes under the name, dropped when the run bound its key). Unparsable times are not held against it."""
+    if bound_at is None:
+        return False
+    text = re.sub(r"(\.\d{6})\d+", r"\1", alert.startsAt)  # Go writes nanoseconds; Python reads microseconds
+    try:
+        began = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return began.timestamp() < bound_at
+
+
 def classify(alert: Alert, allowed: tuple[str, ...]) -> str:
     """One of: resolved, no_action, no_run, forbidden, bad_run, bad_namespace, act."""
     if alert.status == "resolved":
@@ -150,6 +164,8 @@ class Webhooks:
                 command = to_command(alert, self.clock())
                 if routing and not self.store.hosts_run(command.run, namespace):
                     kind = "forwarded"  # a peer hosts the run; settled below
+                elif _began_before(alert, self.store.bound_at(command.run, namespace)):
+                    kind = "predates_key"  # from series the run never pushed: a name squatted before it came
                 elif self.store.live_ranks(command.run, namespace):
                     try:
                         enqueued, _ = self.enqueue(command)

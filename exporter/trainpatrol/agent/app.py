@@ -35,7 +35,8 @@ class Agent:
         self.bounds = Bounds.of(config)
         self.store = RankStore(config.rank_up_ttl_seconds, config.rank_expire_seconds,
                                config.closed_expire_seconds, clock, action_limits=config.action_rate_limits,
-                               bounds=self.bounds)
+                               bounds=self.bounds, squat_seconds=config.squat_seconds,
+                               count=lambda counter, reason: self.stats.count(counter, reason))
         self.stats = AgentStats(config.mode)
         self.nvml = nvml
         collectors: dict[str, Collector] = {"ranks": RankCollector(self.store), "agent": self.stats,

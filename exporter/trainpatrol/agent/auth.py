@@ -26,8 +26,10 @@ import hashlib
 import hmac
 import ipaddress
 import json
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import HTTPException, Request
 from starlette.types import ASGIApp, Receive, Send
@@ -128,27 +130,47 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("latin-1", "replace")).digest() if key else b""
 
 
+Binding = Literal["same", "bound", "rebound", "refused", "keyless"]
+"""What a push's key does to its run: proves the bound key; binds a key to a run that had none (its
+keyless ranks go) or in place of another (its ranks go); is refused; or is a keyless push into a
+keyless run."""
+
+
 class RunKeys:
     """Not thread-safe: RankStore calls it under its lock."""
 
-    def __init__(self) -> None:
-        self._bound: dict[RunId, bytes] = {}
+    def __init__(self, remembered: int = 10_000) -> None:
+        self._bound: dict[RunId, tuple[bytes, float]] = {}
+        self._keyed: OrderedDict[RunId, None] = OrderedDict()
+        """Run names a keyed push ever used, the newest ``remembered``: keyless pushes stay out of them
+        for good, also after the keyed run's series expired."""
+        self._remembered = remembered
 
-    def admit(self, run: RunId, key_digest: bytes, ended: Callable[[RunId], bool]) -> bool:
-        """Whether a push with this key may speak for ``run``; binds the key if the run has none, or
-        if ``ended(run)`` says every rank of the run closed or stopped: a run relaunched under the same
-        name comes with a new key, and must not wait for the old series to expire."""
+    def admit(self, run: RunId, key_digest: bytes, replaceable: Callable[[RunId], bool], now: float) -> Binding:
+        """Whether a push with this key may speak for ``run``. A keyed push binds a run that has no key
+        (its keyless ranks go), or replaces the bound key when ``replaceable(run)`` says the run's
+        ranks all ended or went down, or never trained (a relaunch, or a name squatted)."""
         bound = self._bound.get(run)
-        if bound is not None and key_digest and hmac.compare_digest(bound, key_digest):
-            return True
-        if bound is None or (key_digest and ended(run)):
-            if key_digest:
-                self._bound[run] = key_digest
-            return True
-        return False
+        if bound is not None and key_digest and hmac.compare_digest(bound[0], key_digest):
+            return "same"
+        if not key_digest:
+            return "keyless" if bound is None and run not in self._keyed else "refused"
+        if bound is None or replaceable(run):
+            self._bound[run] = (key_digest, now)
+            self._keyed[run] = None
+            self._keyed.move_to_end(run)
+            while len(self._keyed) > self._remembered:
+                self._keyed.popitem(last=False)
+            return "bound" if bound is None else "rebound"
+        return "refused"
+
+    def bound_at(self, run: RunId) -> float | None:
+        """When the run's key was bound (agent clock); None for a run without one."""
+        bound = self._bound.get(run)
+        return bound[1] if bound is not None else None
 
     def keep_only(self, runs: set[RunId]) -> None:
-        """Forget the keys of runs that have no series left."""
+        """Forget the keys of runs that have no series left (their names stay keyed)."""
         for run in [r for r in self._bound if r not in runs]:
             del self._bound[run]
 

@@ -80,6 +80,11 @@ class AgentConfig:
     max_ranks_per_run: int = 128
     max_series: int = 10_000
     """Samples held over all ranks: what /metrics has to write (a rank of a real run pushes about 100)."""
+    max_series_per_run: int = 7_500
+    """Samples one run may hold: one run's flood leaves room for new runs."""
+    squat_seconds: float = 60.0
+    """A run none of whose ranks advanced a step this long after it came gives way: its name to a push
+    with another key, its room to a new run over a bound (docs/security.md)."""
     max_samples_per_push: int = 1024
     max_label_length: int = 256
     max_queued_commands: int = 64
@@ -117,7 +122,8 @@ class AgentConfig:
                               "Expected 0 (never) or more.")
         if self.mode not in ("agent", "router"):
             raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
-        for name in ("max_runs", "max_ranks_per_run", "max_series", "max_samples_per_push", "max_label_length",
+        for name in ("max_runs", "max_ranks_per_run", "max_series", "max_series_per_run", "squat_seconds",
+                     "max_samples_per_push", "max_label_length",
                      "max_queued_commands", "alert_log_size", "webhook_dedupe_size", "max_push_bytes",
                      "max_request_bytes", "max_connections", "max_header_bytes", "header_timeout_seconds",
                      "body_timeout_seconds", "keep_alive_seconds"):

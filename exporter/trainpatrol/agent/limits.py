@@ -77,6 +77,7 @@ class Bounds:
     max_runs: int = _DEFAULTS.max_runs
     max_ranks_per_run: int = _DEFAULTS.max_ranks_per_run
     max_series: int = _DEFAULTS.max_series
+    max_series_per_run: int = _DEFAULTS.max_series_per_run
     max_samples_per_push: int = _DEFAULTS.max_samples_per_push
     max_label_length: int = _DEFAULTS.max_label_length
     max_queued_commands: int = _DEFAULTS.max_queued_commands
@@ -84,7 +85,8 @@ class Bounds:
     @classmethod
     def of(cls, config: AgentConfig) -> Bounds:
         return cls(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
-                   max_series=config.max_series, max_samples_per_push=config.max_samples_per_push,
+                   max_series=config.max_series, max_series_per_run=config.max_series_per_run,
+                   max_samples_per_push=config.max_samples_per_push,
                    max_label_length=config.max_label_length, max_queued_commands=config.max_queued_commands)
 
     def check_body(self, body: bytes) -> None:
@@ -113,7 +115,7 @@ class Bounds:
                                       f"of {self.max_label_length} ({_setting('max_label_length')}).")
 
     def admit(self, snap: RankSnapshot, new_rank: bool, runs: int, ranks_of_run: int | None,
-              series_after: int) -> None:
+              series_after: int, run_series_after: int) -> None:
         """May the store take this push? ``ranks_of_run`` is None for a run it does not host yet."""
         if ranks_of_run is None and runs >= self.max_runs:
             raise Refused(429, "max_runs", f"Run {snap.run!r} refused: this agent already hosts {runs} runs, "
@@ -122,6 +124,10 @@ class Bounds:
             raise Refused(429, "max_ranks_per_run",
                           f"Rank {snap.rank} of run {snap.run!r} refused: the run already has {ranks_of_run} ranks "
                           f"here, the limit ({_setting('max_ranks_per_run')}).")
+        if run_series_after > self.max_series_per_run:
+            raise Refused(429, "max_series_per_run",
+                          f"Push of run {snap.run!r} rank {snap.rank} refused: the run would hold {run_series_after} "
+                          f"series, over the limit of {self.max_series_per_run} ({_setting('max_series_per_run')}).")
         if series_after > self.max_series:
             raise Refused(429, "max_series",
                           f"Push of run {snap.run!r} rank {snap.rank} refused: this agent would hold "

@@ -1,6 +1,6 @@
 """The agent's own counters, and their part of /metrics.
 
-Emits ``trainpatrol_agent_info``, ``trainpatrol_pushes_total{outcome}``,
+Emits ``trainpatrol_agent_info``, ``trainpatrol_pushes_total{outcome}``, ``trainpatrol_dropped_ranks_total{reason}``,
 ``trainpatrol_webhook_alerts_total{outcome}``, ``trainpatrol_forwarded_alerts_total{outcome}``,
 ``trainpatrol_control_commands_total{action,source}``,
 ``trainpatrol_control_commands_refused_total{action,reason}`` and ``trainpatrol_refused_requests_total{reason}``.
@@ -20,6 +20,7 @@ from ..catalogue import BY_NAME
 
 _COUNTERS = (("trainpatrol_pushes_total", "pushes", ("outcome",)),
              ("trainpatrol_webhook_alerts_total", "alerts", ("outcome",)),
+             ("trainpatrol_dropped_ranks_total", "dropped", ("reason",)),
              ("trainpatrol_forwarded_alerts_total", "forwarded", ("outcome",)),
              ("trainpatrol_control_commands_total", "commands", ("action", "source")),
              ("trainpatrol_control_commands_refused_total", "refused", ("action", "reason")),
@@ -36,7 +37,9 @@ class AgentStats:
         self.pushes: Counter[str] = Counter({"ok": 0, "invalid": 0, "unauthorized": 0, "wrong_namespace": 0,
                                               "wrong_run_key": 0, "too_large": 0})
         self.alerts: Counter[str] = Counter({"act": 0, "duplicate": 0, "resolved": 0, "forbidden": 0,
-                                             "no_live_rank": 0, "coalesced": 0, "rate_limited": 0})
+                                             "no_live_rank": 0, "coalesced": 0, "rate_limited": 0,
+                                             "predates_key": 0})
+        self.dropped: Counter[str] = Counter({"keyless": 0, "superseded": 0, "evicted": 0})
         self.commands: Counter[tuple[str, str]] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
         self.forwarded: Counter[str] = Counter({"ok": 0, "failed": 0, "no_peer": 0})

@@ -1,4 +1,14 @@
-"""What the agent knows about its ranks: last pushes, their series, liveness, and commands waiting for them."""
+"""What the agent knows about its ranks: last pushes, their series, liveness, and commands waiting for them.
+
+A run's ranks are one **incarnation** as long as their Patrols live (each pushes its ``instance``). A
+command is queued for the instances live when it was asked for: it reaches those alone, a later one
+coalesces into it only if it would reach the same ranks, and once none of them is left (the job was
+killed and relaunched under its name) it is dropped rather than answering for the new incarnation.
+
+Room is kept for honest runs: a run may hold at most ``max_series_per_run`` series, and when a new
+run or rank would go over a bound, a run that gives way goes first (docs/security.md): one whose ranks
+all ended or went down, or one that never trained (no step advanced) ``squat_seconds`` after it came.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +21,7 @@ from typing import Any, Literal
 from ..collectors.ranks import RankRow
 from ..protocol import ActionRecord, Command, RankSnapshot
 from .auth import RunId, RunKeys
-from .limits import ActionLimits, Bounds
+from .limits import ActionLimits, Bounds, Refused
 
 COMMAND_TTL_SECONDS = 3600.0
 ENDED_STATES = ("closed", "stopped")
@@ -47,8 +57,12 @@ class RankStore:
 
     def __init__(self, rank_up_ttl: float = 15.0, expire_after: float = 600.0, closed_expire_after: float = 60.0,
                  clock: Callable[[], float] = time.time, action_limits: dict[str, int] | None = None,
-                 bounds: Bounds | None = None) -> None:
+                 bounds: Bounds | None = None, squat_seconds: float = 60.0,
+                 count: Callable[[str, str], None] = lambda counter, reason: None) -> None:
         self.bounds = bounds or Bounds()
+        self.squat_seconds = squat_seconds
+        self._count = count
+        """``count("dropped", reason)`` for ranks dropped by a binding or an eviction (AgentStats)."""
         self.rank_up_ttl = rank_up_ttl
         self.expire_after = expire_after
         self.closed_expire_after = closed_expire_after
@@ -60,8 +74,16 @@ class RankStore:
         self._limits = ActionLimits(action_limits or {})
         self._seen_commands: dict[int, float] = {}
         self._run_ranks: dict[RunId, int] = {}
-        """Ranks held per run, and below the samples held over all ranks: what the bounds are checked against."""
+        """Ranks held per run, and below the samples held over all ranks and per run: what the bounds are
+        checked against."""
         self._series = 0
+        self._run_series: dict[RunId, int] = {}
+        self._came: dict[RunId, float] = {}
+        """When each run's first rank came (or its key was bound again)."""
+        self._trained: set[RunId] = set()
+        """Runs some rank of which advanced a step."""
+        self._targets: dict[int, frozenset[str]] = {}
+        """Per queued command, the instances of the ranks it is for (the incarnation live when asked)."""
         self._version = 0
         """Writes and expiries so far: what /metrics has to write again for."""
         self._next_expiry = float("inf")
@@ -72,43 +94,98 @@ class RankStore:
     # --- pushes -------------------------------------------------------------------------------
     def push(self, snap: RankSnapshot, key_digest: bytes = b"") -> list[Command]:
         """Record a snapshot; return the run's commands this rank has not carried out yet. Raises,
-        recording nothing: ``WrongRunKey`` when the run is bound to another key, and
-        ``bounds.Refused`` for a push over a bound (a new run, a new rank, more series)."""
+        recording nothing: ``WrongRunKey`` when the run is bound to another key (or keyed, for a keyless
+        push), and ``Refused`` for a push over a bound that no other run gives way to."""
         now = self._clock()
         run = run_id(snap)
         key = (snap.namespace, snap.run, snap.rank)
         with self._lock:
-            old = self._ranks.get(key)
-            if not self._keys.admit(run, key_digest, self._ended):
+            binding = self._keys.admit(run, key_digest, lambda r: self._gives_way(r, now), now)
+            if binding == "refused":
                 raise WrongRunKey(run)
+            if binding in ("bound", "rebound") and self._run_ranks.get(run):  # not this key's ranks
+                self._drop_run(run, "keyless" if binding == "bound" else "superseded")
+            old = self._ranks.get(key)
             if old is not None and snap.seq and old.snapshot.seq > snap.seq and old.snapshot.instance == snap.instance:
                 return []  # a late, reordered push: keep the newer state
             held = len(old.snapshot.samples) if old is not None else 0
-            series = self._series - held + len(snap.samples)
             if old is None or len(snap.samples) > held:
-                self.bounds.admit(snap, old is None, len(self._run_ranks), self._run_ranks.get(run), series)
+                self._admit(snap, run, old is None, held, now)
             if old is None:
                 self._run_ranks[run] = self._run_ranks.get(run, 0) + 1
-            self._series = series
+                self._came.setdefault(run, now)
+            self._series += len(snap.samples) - held
+            self._run_series[run] = self._run_series.get(run, 0) + len(snap.samples) - held
             self._version += 1
             advanced = old is None or snap.step != old.snapshot.step
+            if old is not None and advanced and old.snapshot.instance == snap.instance:
+                self._trained.add(run)
             entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(run):
                 return []  # the common case: nothing queued, so nothing to retire or hand out
+            self._retire(run, now)
             done = set(snap.done_commands)
-            ranks = self._run_snapshots(run)
-            # a command every current rank has carried out is retired, so a restarted job never
-            # receives it again
-            self._commands[run] = [
-                c for c in self._commands.get(run, [])
-                if now - c.created < COMMAND_TTL_SECONDS and not all(c.id in r.done_commands for r in ranks)
-            ]
-            return [c for c in self._commands[run] if c.id not in done]
+            return [c for c in self._commands.get(run, []) if c.id not in done and self._reaches(c, snap)]
 
-    def _ended(self, run: RunId) -> bool:
-        """Every rank of ``run`` closed or stopped (asked only of a push with another key)."""
-        return all(snap.state in ENDED_STATES for snap in self._run_snapshots(run))
+    def _admit(self, snap: RankSnapshot, run: RunId, new_rank: bool, held: int, now: float) -> None:
+        """Bounds.admit; over a bound, runs that give way are dropped, oldest push first, until it fits."""
+        while True:
+            try:
+                self.bounds.admit(snap, new_rank, len(self._run_ranks), self._run_ranks.get(run),
+                                  self._series - held + len(snap.samples),
+                                  self._run_series.get(run, 0) - held + len(snap.samples))
+                return
+            except Refused as exc:
+                yielding = [r for r in self._run_ranks if r != run and self._gives_way(r, now)]
+                if exc.reason == "max_series_per_run" or not yielding:
+                    raise
+                self._drop_run(min(yielding, key=self._last_push_of), "evicted")
+
+    def _gives_way(self, run: RunId, now: float) -> bool:
+        """A run that keeps no one from training: every rank ended or down, or it never trained in
+        ``squat_seconds`` since it came (a name held by pushes alone). Such a run's name goes to a push
+        with another key (a relaunch), and its room to a new run over a bound."""
+        entries = self._run_entries(run)
+        return all(e.snapshot.state in ENDED_STATES or not self.is_up(e, now) for e in entries) or (
+            run not in self._trained and now - self._came.get(run, now) > self.squat_seconds)
+
+    def _last_push_of(self, run: RunId) -> float:
+        return max((e.last_push for e in self._run_entries(run)), default=0.0)
+
+    def _run_entries(self, run: RunId) -> list[RankEntry]:
+        return [e for (ns, r, _), e in self._ranks.items() if (ns, r) == run]
+
+    def _drop_run(self, run: RunId, reason: str) -> None:
+        """Every rank of ``run`` goes, counted under ``reason``; its commands and training record with them."""
+        gone = [(k, e) for k, e in self._ranks.items() if (k[0], k[1]) == run]
+        for k, e in gone:
+            self._forget(k, e)
+        for command in self._commands.pop(run, []):
+            self._targets.pop(command.id, None)
+        self._trained.discard(run)
+        self._came.pop(run, None)
+        for _ in gone:
+            self._count("dropped", reason)
+
+    def _reaches(self, command: Command, snap: RankSnapshot) -> bool:
+        targets = self._targets.get(command.id)
+        return targets is None or snap.instance in targets
+
+    def _retire(self, run: RunId, now: float) -> None:
+        """Drops the run's commands that every current rank carried out (a restarted job never receives
+        them again), that are past their TTL, or whose ranks are all gone (another incarnation)."""
+        ranks = self._run_snapshots(run)
+        instances = {r.instance for r in ranks}
+        kept = []
+        for c in self._commands.get(run, []):
+            targets = self._targets.get(c.id)
+            if (now - c.created < COMMAND_TTL_SECONDS and not all(c.id in r.done_commands for r in ranks)
+                    and (targets is None or targets & instances)):
+                kept.append(c)
+            else:
+                self._targets.pop(c.id, None)
+        self._commands[run] = kept
 
     def _run_snapshots(self, run: RunId) -> list[RankSnapshot]:
         return [e.snapshot for (ns, r, _), e in self._ranks.items() if (ns, r) == run]
@@ -122,10 +199,14 @@ class RankStore:
             if command.id in self._seen_commands:
                 return "duplicate", command
             run = run_id(command)
+            now = self._clock()
+            self._retire(run, now)
             queue = self._commands.setdefault(run, [])
             snaps = self._run_snapshots(run)  # no set of every rank's done ids: a storm of alerts comes here
+            live = frozenset(e.snapshot.instance for e in self._run_entries(run) if self.is_live(e, now))
             same = next((c for c in queue if c.action == command.action
-                         and not any(c.id in snap.done_commands for snap in snaps)), None)
+                         and not any(c.id in snap.done_commands for snap in snaps)
+                         and live <= self._targets.get(c.id, live)), None)
             if same is not None:
                 return "coalesced", same
             self.bounds.admit_command(command.run, len(queue))  # raises Refused; a coalesced one took no room
@@ -136,6 +217,8 @@ class RankStore:
                 for cid in sorted(self._seen_commands, key=self._seen_commands.__getitem__)[:1000]:
                     del self._seen_commands[cid]
             self._next_expiry = min(self._next_expiry, command.created + COMMAND_TTL_SECONDS)
+            if live:
+                self._targets[command.id] = live
             queue.append(command)  # different actions all stay: ranks order them by priority
             return "queued", command
 
@@ -159,10 +242,16 @@ class RankStore:
             self._limits.expire(now)
             for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
                 kept = [c for c in queue if now - c.created < COMMAND_TTL_SECONDS]
+                for c in queue:
+                    if c not in kept:
+                        self._targets.pop(c.id, None)
                 if kept:
                     self._commands[run] = kept
                 else:
                     del self._commands[run]
+            for run in [r for r in self._came if r not in self._run_ranks]:
+                self._came.pop(run, None)
+                self._trained.discard(run)
             self._next_expiry = min([*(self._deadline(e) for e in self._ranks.values()),
                                      *(c.created + COMMAND_TTL_SECONDS for q in self._commands.values() for c in q)],
                                     default=float("inf"))
@@ -172,12 +261,13 @@ class RankStore:
         self._version += 1
         self._series -= len(e.snapshot.samples)
         run = (key[0], key[1])
+        self._run_series[run] -= len(e.snapshot.samples)
         left = self._run_ranks[run] - 1
         if left:
             self._run_ranks[run] = left
         else:
             del self._run_ranks[run]
-
+            del self._run_series[run]
     def entries(self) -> tuple[RankEntry, ...]:
         """Every rank, sorted by (namespace, run, rank)."""
         self.expire()
@@ -188,9 +278,9 @@ class RankStore:
         return (entry.snapshot.state != "closed"
                 and (self._clock() if now is None else now) - entry.last_push <= self.rank_up_ttl)
 
-    def is_live(self, entry: RankEntry) -> bool:
+    def is_live(self, entry: RankEntry, now: float | None = None) -> bool:
         """The rank can still carry out a command: up, and neither closed nor stopped."""
-        return entry.snapshot.state not in ENDED_STATES and self.is_up(entry)
+        return entry.snapshot.state not in ENDED_STATES and self.is_up(entry, now)
 
     def live_ranks(self, run: str, namespace: str = "") -> int:
         """How many ranks of ``run`` are live on this agent."""
@@ -228,11 +318,19 @@ class RankStore:
         return {e.snapshot.pid: (e.snapshot.run, str(e.snapshot.rank)) for e in self.entries() if e.snapshot.pid}
 
     def pending(self, run: str, namespace: str = "") -> list[Command]:
-        """Commands some rank of ``run`` has not carried out yet."""
+        """Commands some rank of ``run``'s incarnation has not carried out yet."""
         with self._lock:
             ranks = self._run_snapshots((namespace, run))
+            instances = {r.instance for r in ranks}
             return [c for c in self._commands.get((namespace, run), [])
-                    if not ranks or not all(c.id in snap.done_commands for snap in ranks)]
+                    if (not ranks or not all(c.id in snap.done_commands for snap in ranks))
+                    and (ranks == [] or self._targets.get(c.id) is None or self._targets[c.id] & instances)]
+
+    def bound_at(self, run: str, namespace: str = "") -> float | None:
+        """When the run's key was bound (agent clock), None for a keyless run: an alert that began
+        before cannot be about this run's series (agent.alerts)."""
+        with self._lock:
+            return self._keys.bound_at((namespace, run))
 
     def all_runs(self) -> list[dict[str, Any]]:
         """The status of every run, in every namespace."""
