@@ -51,13 +51,15 @@ class Agent:
                                  lambda outcome: self.stats.count("alerts", outcome), clock)
         self.api = build_api(self)
         self.last_push = time.monotonic()
-        """When a rank last pushed (or the agent started): scrapes and API calls do not keep an idle agent up."""
+        """When a rank last pushed, accepted or refused (or the agent started): scrapes and API calls do not
+        keep an idle agent up."""
         self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
 
     def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]:
         """Store a valid push that ``proof`` allows; returns the commands for its reply. Raises
         ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key,
         and ``Refused`` for a push over a bound, counted here."""
+        self.last_push = time.monotonic()  # a refused push too: its rank is alive, and an embedded agent stays up
         if not proof.scope.allows(snapshot.namespace):
             self.stats.count("pushes", "wrong_namespace")
             raise PushRefused(f"The token does not reach namespace {snapshot.namespace!r}.")
@@ -71,7 +73,6 @@ class Agent:
             self.stats.count("refusals", exc.reason)
             self.stats.count("pushes", "refused")
             raise
-        self.last_push = time.monotonic()
         self.stats.count("pushes", "ok")
         return commands
 
