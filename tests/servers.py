@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from trainpatrol import handshake
 from trainpatrol._process import terminate
 
 PROMETHEUS = shutil.which("prometheus")
@@ -128,12 +129,17 @@ def agent_in_thread(app: Any, port: int | None = None, keep_alive: float = 5.0) 
                                            timeout_keep_alive=keep_alive))  # type: ignore[arg-type]
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    key = getattr(app, "identity_key", "")
     try:
         wait_for(lambda: server.started, 10, what="uvicorn started")
+        if key:  # as the agent's own server does: its user's ranks check it with this (trainpatrol.handshake)
+            handshake.write_key(port, key)
         yield port
     finally:
         server.should_exit = True
         thread.join(10)
+        if key:
+            handshake.remove_key(port, key)
         assert not thread.is_alive(), "uvicorn did not stop"
 
 

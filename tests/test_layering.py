@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "exporter" / "trainpatrol"
 
 ENTRY_POINTS = frozenset({"cli", "demo", "stack", "__main__"})
-LEAVES = frozenset({"protocol", "catalogue", "actions", "faults", "shipped", "_version", "_torch",
+LEAVES = frozenset({"protocol", "handshake", "catalogue", "actions", "faults", "shipped", "_version", "_torch",
                     "_process", "loader_audit", "__init__"})
 ORDER = ("leaves", "report", "collectors", "agent", "control", "probe", "integrations", "entry points")
 """Lowest first: a package may import only those before it (entry points among themselves and leaves among

@@ -4,6 +4,7 @@ Host check and token gate (agent.auth), serving the routes of agent.routes."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +33,9 @@ class Agent:
     def __init__(self, config: AgentConfig, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.identity_key = secrets.token_hex(32)
+        """Proves this agent to its user's ranks when they have no token (trainpatrol.handshake); a
+        loopback agent's server writes it to the user's key file."""
         self.bounds = Bounds.of(config)
         self.store = RankStore(config.rank_up_ttl_seconds, config.rank_expire_seconds,
                                config.closed_expire_seconds, clock, action_limits=config.action_rate_limits,
@@ -53,7 +57,8 @@ class Agent:
         self.last_push = time.monotonic()
         """When a rank last pushed, accepted or refused (or the agent started): scrapes and API calls do not
         keep an idle agent up."""
-        self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
+        self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config,
+                        identity_key=self.identity_key)
 
     def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]:
         """Store a valid push that ``proof`` allows; returns the commands for its reply. Raises

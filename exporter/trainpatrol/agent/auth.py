@@ -175,7 +175,8 @@ class RunKeys:
             del self._bound[run]
 
 
-OPEN = frozenset({"/healthz"})
+OPEN = frozenset({"/healthz", "/v1/hello"})
+"""Routes anyone may call: liveness, and the hello a rank opens with before it sends any secret."""
 UNAUTHORIZED = "Missing or wrong bearer token."
 LOOPBACK_ONLY = "No token is configured, so only loopback callers may use the control API."
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
@@ -236,9 +237,12 @@ def _configured(entry: str) -> str:
 class Edge:
     """ASGI middleware: the Host check on every request, then the token gate (module docstring)."""
 
-    def __init__(self, app: ASGIApp, *, hosts: HostCheck, stats: AgentStats, config: AgentConfig) -> None:
+    def __init__(self, app: ASGIApp, *, hosts: HostCheck, stats: AgentStats, config: AgentConfig,
+                 identity_key: str = "") -> None:
         self.app, self.hosts, self.stats = app, hosts, stats
         self.config, self.metrics_token = config, config.metrics_token
+        self.identity_key = identity_key
+        """The agent's key (trainpatrol.handshake), for the server that serves this to publish."""
 
     async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -28,13 +28,14 @@ import re
 import secrets
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import Body, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .. import handshake
 from .._version import __version__
 from ..collectors.registry import Registry
 from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot, valid_run
@@ -59,12 +60,26 @@ class Services(Protocol):
     webhooks: Webhooks
     alert_log: deque[dict[str, Any]]
     nvml: Any
+    identity_key: str
 
     def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]: ...
 
     def check_push_body(self, body: bytes) -> None: ...
 
     def enqueue(self, command: Command) -> tuple[Enqueued, Command]: ...
+
+
+class Hello(BaseModel):
+    """A rank's challenge (trainpatrol.handshake): a fresh nonce, and which secret it holds."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    nonce: str = Field(pattern=r"^[0-9a-f]{16,128}$")
+    with_: Literal["token", "key"] = Field(alias="with")
+
+
+class HelloProof(BaseModel):
+    proofs: list[str]
+    """The nonce's HMAC under each secret of the kind asked for (the agent token, then namespace tokens)."""
 
 
 class ActionAccepted(BaseModel):
@@ -183,6 +198,18 @@ def build_api(agent: Services) -> FastAPI:
 
     app.add_middleware(BodyLimit, limit=cfg.max_request_bytes,
                        refused=lambda: agent.stats.count("refusals", "max_request_bytes"))
+
+    @app.post(handshake.PATH, summary="Proves to a rank that this is its agent, before it sends its secrets",
+              response_model=HelloProof, responses={**documented(422), 409: {"description": "No such secret"}})
+    def hello(request: Request, body: Hello) -> HelloProof | JSONResponse:
+        secrets_ = ([cfg.token, *cfg.namespace_tokens.values()] if body.with_ == "token"
+                    else [agent.identity_key])
+        secrets_ = [s for s in secrets_ if s]
+        if not secrets_:
+            return JSONResponse({"detail": f"This agent has no {body.with_} to prove itself with."}, status_code=409)
+        client = handshake.client_part(request.client.host if request.client else "")
+        port = (request.scope.get("server") or ("", cfg.port))[1]  # the port this connection reached
+        return HelloProof(proofs=[handshake.proof(s, body.nonce, int(port), client) for s in secrets_])
 
     @app.get("/healthz", summary="Liveness and readiness", response_model=dict[str, Any])
     async def healthz() -> dict[str, Any]:

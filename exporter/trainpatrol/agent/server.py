@@ -15,8 +15,9 @@ from typing import Any
 
 import uvicorn
 
+from .. import handshake
 from .app import Agent
-from .config import AgentConfig, fake_module
+from .config import AgentConfig, fake_module, is_loopback
 from .limits import ConnectionLimits, guarded_protocol, raise_open_files_limit
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ def serve(config: AgentConfig) -> None:
                                                h11_max_incomplete_event_size=config.max_header_bytes,
                                                timeout_keep_alive=int(config.keep_alive_seconds) or 1,
                                                timeout_graceful_shutdown=2))
+        if is_loopback(config.host):  # the user's own ranks check this agent with its key (trainpatrol.handshake)
+            threading.Thread(target=publish_key, args=(server, config.port, agent.identity_key, done),
+                             name="trainpatrol-key", daemon=True).start()
         if config.exit_when_idle_seconds:
             log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
             threading.Thread(target=stop_when_idle, args=(server, agent.idle_for, config.exit_when_idle_seconds, done),
@@ -90,9 +94,19 @@ def serve(config: AgentConfig) -> None:
             raise SystemExit(STARTUP_FAILURE)
     finally:
         done.set()
+        handshake.remove_key(config.port, agent.identity_key)
         if agent.nvml is not None:
             agent.nvml.stop()
         agent.peers.close()
+
+
+def publish_key(server: uvicorn.Server, port: int, key: str, done: threading.Event) -> None:
+    """Writes the agent's key to this user's key file once the server holds the port: never before, so
+    an agent that could not bind (the port is taken) leaves the key of the one that did."""
+    while not server.started:
+        if done.wait(0.02):
+            return
+    handshake.write_key(port, key)
 
 
 def stop_when_idle(server: uvicorn.Server, idle_for: Callable[[], float], seconds: float,

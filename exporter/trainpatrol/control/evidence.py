@@ -16,13 +16,15 @@ import platform
 import sys
 import tempfile
 import time
-import urllib.request
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import handshake
 from .._version import __version__
+from ..agent.config import DEFAULT_PORT
 
 log = logging.getLogger("trainpatrol")
 MAX_FILE_BYTES = 8 * 2**20
@@ -52,12 +54,15 @@ def all_stacks() -> str:
 
 
 def fetch_nvml(agent_url: str, token: str) -> Any:
+    """The agent's last NVML sample, asked for once the agent proved itself (trainpatrol.handshake)."""
+    parsed = urllib.parse.urlparse(agent_url)
     try:
-        req = urllib.request.Request(agent_url.rstrip("/") + "/v1/nvml")
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        with urllib.request.urlopen(req, timeout=2.0) as r:
-            return json.loads(r.read())
+        conn = handshake.connect(parsed.hostname or "127.0.0.1", parsed.port or DEFAULT_PORT, token, 2.0)
+        try:
+            conn.request("GET", "/v1/nvml", headers={"Authorization": f"Bearer {token}"} if token else {})
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
     except Exception as exc:
         return {"available": False, "reason": f"agent did not answer: {exc}"}
 

@@ -4,7 +4,8 @@ The agent is detached (its own session, no pipe to the run) and the run that sta
 it: another run on the host may have found it answering and push to it. It exits by itself once no
 rank has pushed for ``EMBEDDED_IDLE_SECONDS`` (``trainpatrol agent --exit-when-idle``). Two runs that
 start one at the same moment end with one agent: the second cannot bind the port and exits, and both
-runs wait for whichever agent answers ``/healthz``.
+runs wait for whichever agent answers. An agent answers when it proves itself (trainpatrol.handshake):
+a process of another user that holds the port is no agent of this run's.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import sys
 import tempfile
 import time
 import urllib.parse
-import urllib.request
 
+from .. import handshake
 from ..agent.config import DEFAULT_PORT, EMBEDDED_IDLE_SECONDS
 
 log = logging.getLogger("trainpatrol")
@@ -30,10 +31,12 @@ _started: list[subprocess.Popen[bytes]] = []
 warns "subprocess is still running") and so that one which exited is reaped."""
 
 
-def agent_answers(url: str, timeout: float = 0.5) -> bool:
+def agent_answers(url: str, token: str = "", timeout: float = 0.5) -> bool:
+    """An agent at ``url`` proves itself to this run (with ``token``, or this user's agent key)."""
+    parsed = urllib.parse.urlparse(url)
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=timeout) as r:
-            return bool(r.status == 200)
+        handshake.connect(parsed.hostname or "127.0.0.1", parsed.port or DEFAULT_PORT, token, timeout).close()
+        return True
     except Exception:
         return False
 
@@ -42,18 +45,18 @@ def is_loopback_url(url: str) -> bool:
     return urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost")
 
 
-def wait_for_agent(url: str, seconds: float = STARTUP_SECONDS) -> bool:
+def wait_for_agent(url: str, token: str = "", seconds: float = STARTUP_SECONDS) -> bool:
     """Whether an agent answers at ``url`` within ``seconds``: the other local ranks wait so for the one
     local rank 0 starts, rather than warn that their first pushes were refused."""
     started = time.monotonic()
-    while not agent_answers(url):
+    while not agent_answers(url, token):
         if time.monotonic() - started > seconds:
             return False
         time.sleep(0.1)
     return True
 
 
-def start_embedded_agent(url: str, extra_args: list[str] | None = None,
+def start_embedded_agent(url: str, extra_args: list[str] | None = None, token: str = "",
                          idle_seconds: float = EMBEDDED_IDLE_SECONDS,
                          wait_seconds: float = STARTUP_SECONDS) -> bool:
     """Start ``trainpatrol agent`` on the URL's loopback port and wait until an agent answers there.
@@ -78,7 +81,7 @@ def start_embedded_agent(url: str, extra_args: list[str] | None = None,
     _started.append(proc)
     started = time.monotonic()
     while time.monotonic() - started < wait_seconds:
-        if agent_answers(url):
+        if agent_answers(url, token):
             log.info("trainpatrol: an embedded agent serves http://127.0.0.1:%d/metrics; it exits %g s after "
                      "the last rank's push (log %s)", port, idle_seconds, log_path)
             return True
@@ -90,12 +93,12 @@ def start_embedded_agent(url: str, extra_args: list[str] | None = None,
     return False
 
 
-def ensure_agent(url: str, local_rank: int, idle_seconds: float) -> None:
-    """Local rank 0 starts an agent where none answers; the other ranks wait for it. Both wait for /healthz,
-    so the first push finds the agent; it outlives this run."""
-    if agent_answers(url):
+def ensure_agent(url: str, local_rank: int, idle_seconds: float, token: str = "") -> None:
+    """Local rank 0 starts an agent where none answers; the other ranks wait for it. Both wait until it
+    proves itself, so the first push finds the agent; it outlives this run."""
+    if agent_answers(url, token):
         return
     if local_rank == 0:
-        start_embedded_agent(url, idle_seconds=idle_seconds)
-    elif is_loopback_url(url) and not wait_for_agent(url):
+        start_embedded_agent(url, idle_seconds=idle_seconds, token=token)
+    elif is_loopback_url(url) and not wait_for_agent(url, token):
         log.warning("trainpatrol: no agent answers at %s, and local rank 0 started none; pushes will retry", url)

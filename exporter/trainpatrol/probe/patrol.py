@@ -159,7 +159,7 @@ class Patrol:
         if cfg.record_memory_history:
             set_recording(True)
         if cfg.embedded_agent:
-            ensure_agent(cfg.agent_url, identity.local_rank, cfg.embedded_agent_idle_seconds)
+            ensure_agent(cfg.agent_url, identity.local_rank, cfg.embedded_agent_idle_seconds, cfg.token)
         publisher.start()
 
     # --- what users read ------------------------------------------------------------------------

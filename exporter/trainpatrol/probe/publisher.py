@@ -7,6 +7,9 @@ snapshot, so a connection the agent closed while idle (or a restarted agent) cos
 a new connection, within ``timeout``. Pushes are bounded in time, retried with backoff, and a
 dropped push is counted; the training loop never waits for the agent.
 
+Every connection begins with the agent proving it knows the token or its user's agent key
+(trainpatrol.handshake), before the token or the run key is sent on it.
+
 Periodic pushes fall on whole multiples of the interval on the wall clock (``next_push_delay``), so
 the ranks of a node push in the same instant and their agent wakes once for all of them.
 """
@@ -22,6 +25,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
+from .. import handshake
 from ..agent.config import DEFAULT_PORT
 
 log = logging.getLogger("trainpatrol")
@@ -46,6 +50,7 @@ class Publisher:
         self._port = parsed.port or DEFAULT_PORT
         self._snapshot = snapshot
         self._on_commands = on_commands
+        self._token = token
         self._headers = {"Content-Type": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -135,9 +140,11 @@ class Publisher:
             self._on_commands(commands)
 
     def _request(self, body: bytes) -> tuple[int, bytes]:
-        """One push on the kept-alive connection, opened if there is none; a connection that failed is dropped."""
+        """One push on the kept-alive connection, opened if there is none, and only once the agent proved
+        itself on it (trainpatrol.handshake): the token and run key go to the agent alone, and commands
+        come from it alone. A connection that failed is dropped."""
         if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            self._conn = handshake.connect(self._host, self._port, self._token, self._timeout)
         try:
             self._conn.request("POST", PATH, body=body, headers=self._headers)
             resp = self._conn.getresponse()
