@@ -148,7 +148,8 @@ class Patrol:
                                     self._commands.done, self._validation_history)
         self._publisher = publisher = Publisher(
             cfg.agent_url, self._report.snapshot, self._commands.from_agent, token=cfg.token,
-            run_key=run_key(cfg.run_key, self._coordinator.distributed, self._device),
+            run_key=run_key(cfg.run_key, self._coordinator.distributed, self._device,
+                            Path(cfg.checkpoint_dir) / f".run-key-{cfg.run}"),
             interval=cfg.push_interval_seconds)
         self._report.dropped = lambda: publisher.dropped
         self._control = ControlLoop(cfg, identity, self._recorder, commands=self._commands,
