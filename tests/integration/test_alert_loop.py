@@ -15,6 +15,7 @@ import secrets
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,3 +223,35 @@ def test_fragmentation_empties_the_cache_and_the_run_goes_on(loop: Loop, start_r
     time.sleep(0.6)
     assert [a.action for a in run.patrol.actions] == ["empty_cache"]
     assert run.patrol.state == "running" and _run_state(loop, "fragmented") == "running"
+
+
+def test_a_keyless_push_made_before_a_run_starts_cannot_pause_it(loop: Loop, tmp_path: Path) -> None:
+    """A watcher saw the victim's process start and pushed a NaN count for a rank of its name, without
+    any key, before the run's own first push. The run binds its key: the fake rank goes at once, and
+    an alert raised from its series never acts on the run."""
+    name = "pre-run"
+    fake = {"run": name, "rank": 7, "world_size": 8,
+            "samples": [{"name": "trainpatrol_nonfinite_steps_total", "labels": {"kind": "loss"}, "value": 2.0}]}
+    assert http_json(loop.agent + "/v1/push", fake) == {"accepted": True, "commands": []}  # loopback, keyless
+    wait_for(lambda: query_value(loop.prometheus, f'trainpatrol_nonfinite_steps_total{{run="{name}",rank="7"}}'),
+             20, what="Prometheus scraping the fake rank")
+    time.sleep(3.0)  # the run starts a few seconds later
+    patrol = scripted_patrol(tmp_path, loop.agent, run=name, token=loop.token, push_interval_seconds=0.25,
+                             guard_actions={})
+    run = Run(patrol, "", Allocator())
+    thread = threading.Thread(target=run.loop, name="run-pre-run", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: query_value(loop.prometheus, f'trainpatrol_step_total{{run="{name}",rank="0"}}'),
+                 20, what="Prometheus scraping the real run")
+        body = urllib.request.urlopen(loop.agent + "/metrics", timeout=5).read().decode()
+        assert f'rank="7",run="{name}"' not in body
+        time.sleep(10.0)  # ten evaluations, and Alertmanager's re-sends of whatever fired before
+        assert patrol.state == "running" and [a.action for a in patrol.actions] == []
+        # what the alert queued while the fake rank was the run's only one went with it
+        status = http_json(f"{loop.agent}/v1/runs/{name}", token=loop.token)
+        assert status["state"] == "running" and status["pending_commands"] == [], status
+    finally:
+        run.stop.set()
+        thread.join(timeout=10)
+        patrol.close()
