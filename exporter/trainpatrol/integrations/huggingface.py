@@ -167,10 +167,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             parts = [m * self._loss_scale for m in self._micro]
         else:
             parts = self._micro
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p
-        return total
+        return sum(parts[1:], parts[0])
 
     def _finish(self, state: TrainerState, control: TrainerControl, grad_norm: float | None,
                 logged_loss: float | None) -> None:
