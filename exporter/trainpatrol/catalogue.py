@@ -7,6 +7,7 @@ here, so a metric cannot exist without being documented.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,24 +46,20 @@ class Metric:
         return Family(self.name.removesuffix(suffix) if suffix else self.name, self.help, self.kind)
 
 
-def _r(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
-    return Metric(name, kind, help, unit, "rank", labels)
+def _of(source: Source) -> Callable[..., Metric]:
+    def metric(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
+        return Metric(name, kind, help, unit, source, labels)
+
+    return metric
 
 
-def _g(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
-    return Metric(name, kind, help, unit, "nvml", labels)
-
-
-def _a(name: str, kind: Kind, unit: str, help: str, *labels: str) -> Metric:
-    return Metric(name, kind, help, unit, "agent", labels)
+_r, _g, _a = _of("rank"), _of("nvml"), _of("agent")
 
 
 P = "trainpatrol_"
 
 RANK_METRICS: tuple[Metric, ...] = (
-    _r(P + "rank_info", "info", "", "Identity of a rank: host, GPU uuid, versions and the job's launcher. Join GPU metrics on uuid.",
-       "local_rank", "world_size", "host", "gpu_uuid", "device", "torch_version", "cuda_version",
-       "trainpatrol_version", "launcher", "launcher_job"),
+    _r(P + "rank_info", "info", "", "Identity of a rank: host, GPU uuid, versions and the job's launcher. Join GPU metrics on uuid.", "local_rank", "world_size", "host", "gpu_uuid", "device", "torch_version", "cuda_version", "trainpatrol_version", "launcher", "launcher_job"),
     _r(P + "step_total", "counter", "", "Optimizer steps completed."),
     _r(P + "micro_step_total", "counter", "", "Micro-steps (backward passes) completed, gradient accumulation included."),
     _r(P + "step_duration_seconds", "histogram", "seconds", "Wall time of one optimizer step, boundary to boundary."),
@@ -77,12 +74,10 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "grad_norm_window_max", "gauge", "", "Largest finite global grad norm over the recent window."),
     _r(P + "amp_skipped_steps_total", "counter", "", "Optimizer steps skipped by GradScaler because of inf/NaN gradients."),
     _r(P + "amp_loss_scale", "gauge", "", "Current GradScaler loss scale."),
-    _r(P + "learning_rate", "gauge", "", "Learning rate of each optimizer param group (index label, at most 16 groups).",
-       "param_group"),
+    _r(P + "learning_rate", "gauge", "", "Learning rate of each optimizer param group (index label, at most 16 groups).", "param_group"),
     _r(P + "loader_wait_seconds_total", "counter", "seconds", "Time spent waiting for the next batch from the data loader."),
     _r(P + "loader_wait_ratio", "gauge", "ratio", "Loader wait time divided by step time over the recent window."),
-    _r(P + "dataloader_info", "info", "", "DataLoader settings seen by the audit.",
-       "num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "batch_size"),
+    _r(P + "dataloader_info", "info", "", "DataLoader settings seen by the audit.", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "batch_size"),
     _r(P + "dataloader_warning", "gauge", "", "1 when a DataLoader audit check fails (see docs/runbooks.md).", "check"),
     _r(P + "cuda_memory_allocated_bytes", "gauge", "bytes", "Bytes held by live tensors in the caching allocator."),
     _r(P + "cuda_memory_reserved_bytes", "gauge", "bytes", "Bytes reserved from the device by the caching allocator."),
@@ -126,9 +121,7 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "control_commands_total", "counter", "", "Control commands queued for ranks, by action and source.", "action", "source"),
     _a(P + "control_commands_refused_total", "counter", "", "Control commands not queued, by action and reason: coalesced (a command of the same action waits already), rate_limited (the run's actions of that kind per minute are used up).", "action", "reason"),
     _a(P + "forwarded_alerts_total", "counter", "", "Alerts forwarded to peer agents, by outcome.", "outcome"),
-    _a(P + "refused_requests_total", "counter", "",
-       "Requests, connections and pushes refused at the edge or over a bound, by reason (docs/security.md).",
-       "reason"),
+    _a(P + "refused_requests_total", "counter", "", "Requests, connections and pushes refused at the edge or over a bound, by reason (docs/security.md).", "reason"),
     _a("process_resident_memory_bytes", "gauge", "bytes", "Resident memory size in bytes."),
     _a("process_virtual_memory_bytes", "gauge", "bytes", "Virtual memory size in bytes."),
     _a("process_cpu_seconds_total", "counter", "seconds", "Total user and system CPU time spent in seconds."),
@@ -168,7 +161,6 @@ NVML_METRICS: tuple[Metric, ...] = (
 
 ALL_METRICS: tuple[Metric, ...] = RANK_METRICS + AGENT_METRICS + NVML_METRICS
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL_METRICS}
-RANK_BY_NAME: dict[str, Metric] = {m.name: m for m in RANK_METRICS}
 
 
 def render_markdown() -> str:

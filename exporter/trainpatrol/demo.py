@@ -59,6 +59,10 @@ ends sooner if the run pauses: the demo's operator fixes the cause before resumi
 persists after a resume pauses the run again."""
 
 
+def _say(text: str) -> None:
+    print(f"[demo] {text}", flush=True)
+
+
 class SimulatedAllocator:
     """A CPU stand-in for the CUDA allocator reading: steady use, plus injected fragmentation."""
 
@@ -121,11 +125,14 @@ def _validate(model: nn.Module, data: TensorDataset, device: torch.device) -> fl
     return loss
 
 
-def _get(agent_url: str, path: str, token: str = "") -> Any:
-    req = urllib.request.Request(agent_url + path)
-    if token:  # read routes need the token whenever the agent has one
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=2) as r:
+def _call(agent_url: str, path: str, token: str = "", body: dict[str, Any] | None = None) -> Any:
+    """GET ``path`` from the agent, or POST ``body`` to it; read routes need the token whenever the agent has one."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data, timeout = None, 2
+    if body is not None:
+        data, timeout = json.dumps(body).encode(), 5
+        headers["Content-Type"] = "application/json"
+    with urllib.request.urlopen(urllib.request.Request(agent_url + path, data, headers), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -140,22 +147,22 @@ def _print_mission_metrics(agent_url: str, run: str) -> None:
         with urllib.request.urlopen(agent_url + "/metrics", timeout=2) as r:
             lines = r.read().decode().splitlines()
     except OSError as exc:
-        print(f"[demo] could not read {agent_url}/metrics: {exc}", flush=True)
+        _say(f"could not read {agent_url}/metrics: {exc}")
         return
-    print(f"[demo] the mission metrics on {agent_url}/metrics:", flush=True)
+    _say(f"the mission metrics on {agent_url}/metrics:")
     for line in lines:
         name = line.split("{", 1)[0]
         if name.removeprefix("trainpatrol_") in MISSION and f'run="{run}"' in line:
-            print(f"[demo]   {line}", flush=True)
+            _say(f"  {line}")
     gpus = sum(line.startswith("trainpatrol_gpu_info{") for line in lines)
-    print(f"[demo]   {gpus} GPU(s) on /metrics: the trainpatrol_gpu_* series" if gpus else
-          "[demo]   no GPU metrics: the agent reads no NVML here (no NVIDIA driver, or --no-nvml); `make demo` "
-          "in the repository serves recorded H200 readings instead", flush=True)
+    _say(f"  {gpus} GPU(s) on /metrics: the trainpatrol_gpu_* series" if gpus else
+         "  no GPU metrics: the agent reads no NVML here (no NVIDIA driver, or --no-nvml); `make demo` "
+         "in the repository serves recorded H200 readings instead")
 
 
 def _run_state(agent_url: str, run: str, token: str = "") -> str:
     try:
-        return str(_get(agent_url, f"/v1/runs/{run}", token)["state"])
+        return str(_call(agent_url, f"/v1/runs/{run}", token)["state"])
     except Exception:
         return "unknown"
 
@@ -164,7 +171,7 @@ def _describe_pause(agent_url: str, run: str, fault_time: float | None, token: s
     """Where, when and why the run paused, from the agent and the pause's evidence bundle."""
     seen = time.time()  # polled every 0.25 s: at most that late
     try:
-        status = _get(agent_url, f"/v1/runs/{run}", token)
+        status = _call(agent_url, f"/v1/runs/{run}", token)
         last = status["last_action"] or {}
         trigger = json.loads((Path(last["evidence"]) / "trigger.json").read_text())
     except Exception:
@@ -190,23 +197,17 @@ def _auto_resume(agent_url: str, run: str, after: float, stop: threading.Event, 
         if _run_state(agent_url, run, token) != "paused":
             continue
         where = _describe_pause(agent_url, run, (fault or {}).get("time"), token)
-        print(f"[demo] run {run} is paused {where}", flush=True)
+        _say(f"run {run} is paused {where}")
         if after <= 0:
-            print(f"[demo] inspect it (`trainpatrol status --agent {agent_url}`), then run `{resume}`.", flush=True)
+            _say(f"inspect it (`trainpatrol status --agent {agent_url}`), then run `{resume}`.")
             while not stop.wait(0.25) and _run_state(agent_url, run, token) == "paused":
                 pass
             continue
-        print(f"[demo] inspect it, e.g. `trainpatrol status --agent {agent_url}`. Resuming in {after:g} s "
-              f"as if you ran `{resume}`.", flush=True)
+        _say(f"inspect it, e.g. `trainpatrol status --agent {agent_url}`. Resuming in {after:g} s "
+             f"as if you ran `{resume}`.")
         if stop.wait(after):
             return
-        body = json.dumps({"action": "resume", "reason": "demo auto-resume"}).encode()
-        req = urllib.request.Request(f"{agent_url}/v1/runs/{run}/actions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        with urllib.request.urlopen(req, timeout=5) as r:
-            r.read()
+        _call(agent_url, f"/v1/runs/{run}/actions", token, {"action": "resume", "reason": "demo auto-resume"})
         while not stop.wait(0.25) and _run_state(agent_url, run, token) == "paused":
             pass
 
@@ -225,10 +226,9 @@ def _run_with_stack(args: argparse.Namespace) -> int:
     expected = EXPECTED_ALERTS.get(fault)
     binaries = Binaries.find()
     if binaries is None:
-        print("[demo] --stack: prometheus, prometheus-alertmanager, promtool or amtool is not on PATH (Debian: "
-              "`apt-get install --no-install-recommends prometheus prometheus-alertmanager`, or `make system-deps`). "
-              "Falling back to the local guards: Patrol acts by itself, without Prometheus or Alertmanager.",
-              flush=True)
+        _say("--stack: prometheus, prometheus-alertmanager, promtool or amtool is not on PATH (Debian: "
+             "`apt-get install --no-install-recommends prometheus prometheus-alertmanager`, or `make system-deps`). "
+             "Falling back to the local guards: Patrol acts by itself, without Prometheus or Alertmanager.")
         return _train(args, inject, args.agent_url, guard_actions=FALLBACK_GUARD_ACTIONS)
     port = urllib.parse.urlparse(args.agent_url).port or DEFAULT_PORT
     config = StackConfig(workdir=Path(args.workdir), agent_port=port, prometheus_port=args.prometheus_port,
@@ -239,40 +239,38 @@ def _run_with_stack(args: argparse.Namespace) -> int:
         loaded = stack.loaded_alerts()
     except (StackError, OSError) as exc:
         stack.stop()
-        print(f"[demo] --stack: the stack did not start: {exc}", flush=True)
+        _say(f"--stack: the stack did not start: {exc}")
         return 1
     with stack:
         if expected and expected not in loaded:
             # the alert loop could not act: say so now rather than train and wait for an alert that never comes
-            print(f"[demo] --stack: Prometheus loaded no alerting rule {expected} from {stack.rules_file} "
-                  f"({len(loaded)} alerting rules in all), so the injected {fault} would go unseen; see "
-                  f"{stack.prometheus_url}/rules and {stack.dir / 'prometheus.log'}.", flush=True)
+            _say(f"--stack: Prometheus loaded no alerting rule {expected} from {stack.rules_file} "
+                 f"({len(loaded)} alerting rules in all), so the injected {fault} would go unseen; see "
+                 f"{stack.prometheus_url}/rules and {stack.dir / 'prometheus.log'}.")
             return 1
-        print(f"[demo] --stack: Prometheus    {stack.prometheus_url}  (alerts: {stack.prometheus_url}/alerts)",
-              flush=True)
-        print(f"[demo] --stack: Alertmanager  {stack.alertmanager_url}", flush=True)
-        print(f"[demo] --stack: agent         {stack.agent_url}  (webhook {stack.agent_url}/v1/alertmanager, "
-              f"bearer token in {stack.token_file})", flush=True)
-        print(f"[demo] --stack: rules: the shipped rules of the FAST profile ({stack.rules_file}, {len(loaded)} "
-              "alerting rules loaded): the same thresholds with short windows and `for:` of seconds, scraped and "
-              "evaluated every 1 s, so you see an alert act within seconds. Production uses rules.yml "
-              "(`trainpatrol export rules DIR`), whose alerts wait minutes.", flush=True)
-        print(f"[demo] --stack: injecting {inject}{STACK_NOTES.get(fault, '.')}", flush=True)
+        _say(f"--stack: Prometheus    {stack.prometheus_url}  (alerts: {stack.prometheus_url}/alerts)")
+        _say(f"--stack: Alertmanager  {stack.alertmanager_url}")
+        _say(f"--stack: agent         {stack.agent_url}  (webhook {stack.agent_url}/v1/alertmanager, "
+             f"bearer token in {stack.token_file})")
+        _say(f"--stack: rules: the shipped rules of the FAST profile ({stack.rules_file}, {len(loaded)} "
+             "alerting rules loaded): the same thresholds with short windows and `for:` of seconds, scraped and "
+             "evaluated every 1 s, so you see an alert act within seconds. Production uses rules.yml "
+             "(`trainpatrol export rules DIR`), whose alerts wait minutes.")
+        _say(f"--stack: injecting {inject}{STACK_NOTES.get(fault, '.')}")
         rc = _train(args, inject, stack.agent_url, token=stack.token, token_file=str(stack.token_file),
                     guard_actions=STACK_GUARD_ACTIONS, push_interval=0.5)
         try:
             alerts = _alerts_after(stack.alerts, expected)
         except OSError as exc:
-            print(f"[demo] --stack: could not read the agent's alerts: {exc}", flush=True)
+            _say(f"--stack: could not read the agent's alerts: {exc}")
             alerts = []
         _print_alerts(alerts)
         if rc == 0 and expected and not _fired(alerts, expected):
-            print(f"[demo] --stack: FAILED: the injected {fault} should have fired {expected}, but the agent's "
-                  f"webhook never received it; see {stack.prometheus_url}/alerts, {stack.alertmanager_url} and the "
-                  f"logs in {stack.dir}.", flush=True)
+            _say(f"--stack: FAILED: the injected {fault} should have fired {expected}, but the agent's "
+                 f"webhook never received it; see {stack.prometheus_url}/alerts, {stack.alertmanager_url} and the "
+                 f"logs in {stack.dir}.")
             rc = 1
-        print(f"[demo] --stack: stopping Prometheus, Alertmanager and the agent (configs and logs: {stack.dir}).",
-              flush=True)
+        _say(f"--stack: stopping Prometheus, Alertmanager and the agent (configs and logs: {stack.dir}).")
     return rc
 
 
@@ -296,12 +294,11 @@ def _print_alerts(alerts: list[dict[str, Any]]) -> None:
     for a in alerts:
         seen.setdefault((a["alertname"], a["status"]), a)
     if not seen:
-        print("[demo] --stack: the agent's webhook received no alert.", flush=True)
+        _say("--stack: the agent's webhook received no alert.")
         return
     for (name, status), a in seen.items():
         action = f"action {a['action']}" if a["action"] else "no action"
-        print(f"[demo] --stack: alert fired: {name} ({status}, run {a['run'] or '-'}, {action}, "
-              f"agent: {a['outcome']})", flush=True)
+        _say(f"--stack: alert fired: {name} ({status}, run {a['run'] or '-'}, {action}, agent: {a['outcome']})")
 
 
 def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str = "", token_file: str = "",
@@ -318,7 +315,7 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
     work = Path(args.workdir)
     allocator = None if use_cuda else SimulatedAllocator()
     if allocator is not None:
-        print("[demo] CPU run: allocator metrics come from a simulated allocator (no CUDA here).", flush=True)
+        _say("CPU run: allocator metrics come from a simulated allocator (no CUDA here).")
     model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.steps, 1))
@@ -337,7 +334,7 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
     fault_at: dict[str, float] = {}  # wall clock of the injection, for the pause message
     threading.Thread(target=_auto_resume, args=(agent_url, args.run, args.auto_resume, stop, token, token_file,
                                                 fault_at), daemon=True).start()
-    print(f"[demo] metrics: {agent_url}/metrics   status: trainpatrol status --agent {agent_url}", flush=True)
+    _say(f"metrics: {agent_url}/metrics   status: trainpatrol status --agent {agent_url}")
     last_print = 0.0
     with Patrol(model=model, optimizer=opt, scheduler=sched, scaler=scaler, config=config) as patrol:
         while patrol.step_count < args.steps:
@@ -349,7 +346,7 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
                 loss = nn.functional.mse_loss(model(x), y)
                 if step == fault_step and fault != "none":
                     fault_at["time"] = time.time()
-                    print(f"[demo] step {step}: injecting {fault}", flush=True)
+                    _say(f"step {step}: injecting {fault}")
                 if fault == "nan" and step == fault_step:
                     loss = loss * math.nan
                 if fault == "grad_spike" and fault_step <= step < fault_step + GRAD_SPIKE_STEPS and \
@@ -377,13 +374,12 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
                 if not args.quiet and time.monotonic() - last_print > 1.0:
                     last_print = time.monotonic()
                     lt = patrol._latest
-                    print(f"[demo] step {step:5d}  loss {lt.loss:9.4f}  grad_norm {lt.grad_norm:9.3f}  "
-                          f"state {patrol.state}", flush=True)
+                    _say(f"step {step:5d}  loss {lt.loss:9.4f}  grad_norm {lt.grad_norm:9.3f}  state {patrol.state}")
         patrol._publisher.push_now()
         _print_mission_metrics(agent_url, args.run)
     stop.set()
-    print(f"[demo] done: {patrol.step_count} steps. {_evidence_line(patrol)}; "
-          f"last checkpoint: {patrol.last_checkpoint or 'none'}", flush=True)
+    _say(f"done: {patrol.step_count} steps. {_evidence_line(patrol)}; "
+         f"last checkpoint: {patrol.last_checkpoint or 'none'}")
     return 0
 
 

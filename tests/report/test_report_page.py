@@ -17,7 +17,7 @@ from report_run import NAN_AT, NAN_RANK, WORLD, heard_guard
 
 from loops import run_scripted, scripted_patrol
 from trainpatrol.cli import main
-from trainpatrol.probe.loader import ADVICE
+from trainpatrol.loader_audit import ADVICE
 from trainpatrol.report import write_report
 from trainpatrol.report.runbook import BUILTIN, RUNBOOK_URL, anchor, lookup, markdown_html, sections
 

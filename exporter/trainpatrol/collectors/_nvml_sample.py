@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.metrics_core import Metric as Family
@@ -196,33 +196,20 @@ def sample_gpu(
     series["nvml_sample_timestamp_seconds"] = [((), timestamp)]
     sample: dict[str, Any] = {**info, "timestamp": timestamp, "series": series}
     if pid_to_rank is not None:
-        procs = process_rows(raw.get("nvmlDeviceGetComputeRunningProcesses"), pid_to_rank)
-        sample["processes"] = procs
-        if raw.get("nvmlDeviceGetComputeRunningProcesses") is not None:
-            series["gpu_process_memory_bytes"] = process_series(procs)
+        procs = raw.get("nvmlDeviceGetComputeRunningProcesses")
+        rows: list[dict[str, Any]] = []
+        for p in procs or ():
+            run, rank = pid_to_rank.get(int(p.pid), ("", ""))
+            used = p.usedGpuMemory  # None where the driver cannot attribute memory
+            rows.append({"pid": int(p.pid), "used_bytes": None if used is None else int(used), "run": run,
+                         "rank": rank})
+        sample["processes"] = rows
+        if procs is not None:  # summed by (run, rank): a pid never becomes a label
+            total: dict[Labels, float] = defaultdict(float)
+            for row in rows:
+                total[row["run"], row["rank"]] += row["used_bytes"] or 0
+            series["gpu_process_memory_bytes"] = sorted(total.items())
     return sample
-
-
-def process_rows(
-    procs: Iterable[Any] | None, pid_to_rank: Mapping[int, tuple[str, str]]
-) -> list[dict[str, Any]]:
-    """Per-process memory, each tagged with its run and rank ("" and "" when not a rank)."""
-    rows = []
-    for p in procs or ():
-        run, rank = pid_to_rank.get(int(p.pid), ("", ""))
-        used = p.usedGpuMemory  # None where the driver cannot attribute memory
-        used_bytes = None if used is None else int(used)
-        rows.append({"pid": int(p.pid), "used_bytes": used_bytes, "run": run, "rank": rank})
-    return rows
-
-
-def process_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[Labels, float]]:
-    """Sum per-process memory by (run, rank): a pid never becomes a label."""
-    total: dict[Labels, float] = {}
-    for row in rows:
-        key = (row["run"], row["rank"])
-        total[key] = total.get(key, 0.0) + (row["used_bytes"] or 0)
-    return sorted(total.items())
 
 
 def families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> list[Family]:
@@ -237,7 +224,7 @@ def families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int,
             name = fam.name + {"counter": "_total", "info": "_info"}.get(spec.kind, "")
             info = spec.kind == "info"
             for labels, value in series:
-                fam.add_sample(name, _sorted_labels(names, labels), 1.0 if info else value)
+                fam.add_sample(name, dict(_label_items(names, labels)), 1.0 if info else value)
             out.append(fam)
     return out
 
@@ -247,10 +234,6 @@ def _label_items(names: tuple[str, ...], labels: Labels) -> tuple[tuple[str, str
     """A series' labels sorted by name: the same GPUs' series come back every sample (bounded: a
     node's GPUs, their MIG instances and XID codes)."""
     return tuple(sorted(zip(names, labels, strict=True)))
-
-
-def _sorted_labels(names: tuple[str, ...], labels: Labels) -> dict[str, str]:
-    return dict(_label_items(names, labels))
 
 
 def _rows(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int, float]]) -> Series:

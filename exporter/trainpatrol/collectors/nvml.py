@@ -1,17 +1,7 @@
 """NVML collector: background threads read the GPUs; a scrape serves only the last sample.
 
-Emits, per GPU labelled ``gpu`` (index) and ``uuid``, all prefixed ``trainpatrol_``:
-``gpu_info{name,pci_bus_id,driver_version,serial,mig_mode}``, ``gpu_utilization_ratio``,
-``gpu_memory_utilization_ratio``, ``gpu_memory_{used,free,total}_bytes``, ``gpu_power_watts``,
-``gpu_power_limit_watts``, ``gpu_energy_joules_total``, ``gpu_temperature_celsius{sensor}``,
-``gpu_clock_hertz{clock}``, ``gpu_performance_state``, ``gpu_clock_event_active{reason}``,
-``gpu_pcie_link_generation``, ``gpu_pcie_link_width``,
-``gpu_pcie_throughput_bytes_per_second{direction}`` (opt-in), ``gpu_ecc_errors_total{type}``,
-``gpu_retired_pages{cause}``, ``gpu_remapped_rows{state}``, ``gpu_xid_errors_total{xid}``,
-``gpu_xid_last_timestamp_seconds{xid}``, ``gpu_process_memory_bytes{run,rank}`` (opt-in),
-``nvml_sample_timestamp_seconds``, and per MIG instance of a GPU in MIG mode ``gpu_mig_info{mig_uuid,
-gpu_instance,compute_instance,profile}`` and ``gpu_mig_memory_{used,total}_bytes{mig_uuid}``. Series a GPU
-does not support are left out.
+Emits the catalogue's GPU metrics (``NVML_METRICS``, listed in docs/metrics.md), per GPU labelled ``gpu``
+(index) and ``uuid``, and per MIG instance of a GPU in MIG mode. Series a GPU does not support are left out.
 """
 
 from __future__ import annotations

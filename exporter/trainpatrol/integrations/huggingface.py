@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..actions import STOP_EXIT_CODE
 from ..probe.config import PatrolConfig
 from ..probe.patrol import Patrol
-from ._common import check_accum, new_actions
+from ._common import boundary, patrol_or_config
 
 log = logging.getLogger("trainpatrol")
 
@@ -47,15 +46,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
     """
 
     def __init__(self, patrol: Patrol | PatrolConfig | None = None, **config: Any) -> None:
-        if isinstance(patrol, Patrol):
-            if config:
-                raise TypeError(f"`TrainPatrolCallback(patrol, {', '.join(config)}=...)`: keywords configure a "
-                                "Patrol the callback builds; pass a PatrolConfig instead of a Patrol.")
-            check_accum(patrol.config, "the Trainer")
-            self._config: PatrolConfig | None = None
-        else:
-            self._config = check_accum(replace(patrol or PatrolConfig(), **config).validate(), "the Trainer")
-        self.patrol: Patrol | None = patrol if isinstance(patrol, Patrol) else None
+        self.patrol, self._config = patrol_or_config(patrol, config, "the Trainer")
         self._owned = self.patrol is None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._micro: list[torch.Tensor] = []
@@ -176,10 +167,7 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             parts = [m * self._loss_scale for m in self._micro]
         else:
             parts = self._micro
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p
-        return total
+        return sum(parts[1:], parts[0])
 
     def _finish(self, state: TrainerState, control: TrainerControl, grad_norm: float | None,
                 logged_loss: float | None) -> None:
@@ -202,18 +190,10 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
 
     def _boundary(self, control: TrainerControl) -> None:
         assert self.patrol is not None
-        before = self.patrol.actions[-1] if self.patrol.actions else None
-        try:
-            self.patrol.boundary()
-        except SystemExit as exc:
-            if exc.code != STOP_EXIT_CODE:
-                raise
-            self._stopping = True
-            control.should_save = True
-            control.should_training_stop = True
-        for rec in new_actions(self.patrol, before):
-            if rec.action == "checkpoint" and rec.outcome == "ok":
-                control.should_save = True
+        stopping, checkpointed = boundary(self.patrol)
+        self._stopping |= stopping
+        control.should_save |= stopping or checkpointed
+        control.should_training_stop |= stopping
 
     def _close(self) -> None:
         if self._hook is not None:

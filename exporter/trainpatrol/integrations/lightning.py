@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from ..probe import device_values as dv
 from ..probe.config import PatrolConfig
 from ..probe.loader import TimedLoader
 from ..probe.patrol import Patrol
-from ._common import check_accum, new_actions
+from ._common import boundary, patrol_or_config
 
 log = logging.getLogger("trainpatrol")
 
@@ -60,15 +59,7 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
 
     def __init__(self, patrol: Patrol | PatrolConfig | None = None, *, val_loss_key: str = "val_loss",
                  **config: Any) -> None:
-        if isinstance(patrol, Patrol):
-            if config:
-                raise TypeError(f"`TrainPatrolCallback(patrol, {', '.join(config)}=...)`: keywords configure a "
-                                "Patrol the callback builds; pass a PatrolConfig instead of a Patrol.")
-            check_accum(patrol.config, "Lightning")
-            self._config: PatrolConfig | None = None
-        else:
-            self._config = check_accum(replace(patrol or PatrolConfig(), **config).validate(), "Lightning")
-        self.patrol: Patrol | None = patrol if isinstance(patrol, Patrol) else None
+        self.patrol, self._config = patrol_or_config(patrol, config, "Lightning")
         self.val_loss_key = val_loss_key
         self.last_trainer_checkpoint = ""
         """Path of the last checkpoint this callback had Lightning write (for ``fit(ckpt_path=...)``)."""
@@ -176,19 +167,13 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
         self._reset_step()
 
     def _boundary(self, trainer: pl.Trainer) -> None:
-        patrol = self.patrol
-        assert patrol is not None
-        before = patrol.actions[-1] if patrol.actions else None
-        try:
-            patrol.boundary()
-        except SystemExit as exc:
-            if exc.code != STOP_EXIT_CODE:
-                raise
+        assert self.patrol is not None
+        stopping, checkpointed = boundary(self.patrol)
+        if stopping:
             self._save(trainer, "stop")
-            raise
-        for rec in new_actions(patrol, before):
-            if rec.action == "checkpoint" and rec.outcome == "ok":
-                self._save(trainer, "checkpoint")
+            raise SystemExit(STOP_EXIT_CODE)
+        if checkpointed:
+            self._save(trainer, "checkpoint")
 
     def _save(self, trainer: pl.Trainer, action: str) -> None:
         """Lightning's own resumable checkpoint; every rank calls it (it synchronises the ranks)."""

@@ -23,10 +23,12 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .window import slope
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MAX_WORKERS = 64
@@ -246,13 +248,3 @@ class LeakTrend:
         return (f"resident {now / MIB:.0f} MiB (rank and its workers' growth) grew {rate / MIB:.1f} MiB/s over the "
                 f"last {span:.0f} s; at this rate it reaches the {budget / MIB:.0f} MiB limit in {eta:.0f} s")
 
-
-def slope(points: Sequence[tuple[float, float]]) -> float:
-    """The least-squares slope of value over time (0 for fewer than two distinct times)."""
-    n = len(points)
-    if n < 2:
-        return 0.0
-    mt = sum(p[0] for p in points) / n
-    mv = sum(p[1] for p in points) / n
-    var = sum((p[0] - mt) ** 2 for p in points)
-    return sum((p[0] - mt) * (p[1] - mv) for p in points) / var if var > 0 else 0.0

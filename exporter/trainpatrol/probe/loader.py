@@ -21,9 +21,6 @@ from typing import Any, TypeVar
 import torch
 
 from ..control.checkpoint import rng_state, set_rng_state
-from ..loader_audit import ADVICE as ADVICE  # re-exported: the probe's modules import them from here
-from ..loader_audit import LoaderAudit as LoaderAudit
-from ..loader_audit import audit as audit
 
 log = logging.getLogger("trainpatrol")
 
@@ -75,7 +72,7 @@ class LoaderTracker:
         self.position = LoaderPosition()
         self.resume_at: tuple[LoaderPosition, Callable[[], None]] | None = None
         """A restored position and what restores the checkpoint's RNG once the loader is back there."""
-        self._iterator: Callable[[], Any] = _nothing_found
+        self._iterator: Callable[[], Any] = lambda: None
         """The current epoch's iterator, weakly: its worker processes are read for host memory (host_memory.py)."""
 
     def iterator(self) -> Any:
@@ -113,16 +110,8 @@ class LoaderTracker:
         try:
             self._iterator = weakref.ref(it)  # never keeps the workers of an abandoned epoch alive
         except TypeError:  # e.g. a list's iterator: no workers to read
-            self._iterator = _nothing_found
+            self._iterator = lambda: None
         return it
-
-
-def _nothing_found() -> None:
-    return None
-
-
-def _nothing() -> None:
-    pass
 
 
 class TimedLoader(Iterable[T]):
@@ -130,7 +119,7 @@ class TimedLoader(Iterable[T]):
 
     ``state_dict``/``load_state_dict`` make it a resumable loader for frameworks that save one (Lightning)."""
 
-    def __init__(self, loader: Iterable[T], boundary: Callable[[], None] = _nothing,
+    def __init__(self, loader: Iterable[T], boundary: Callable[[], None] = lambda: None,
                  waited: Callable[[float], None] | None = None, tracker: LoaderTracker | None = None) -> None:
         self._loader = loader
         self._boundary = boundary

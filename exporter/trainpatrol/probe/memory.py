@@ -72,12 +72,7 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 def cuda_reader(device: torch.device) -> MemoryReader:
     index = device.index if device.index is not None else torch.cuda.current_device()
     capacity = float(torch.cuda.get_device_properties(index).total_memory)
-
-    def read() -> MemoryReading:
-        s = _raw_stats(index)
-        return from_stats(s, capacity)
-
-    return read
+    return lambda: from_stats(_raw_stats(index), capacity)
 
 
 def from_stats(s: dict[str, Any], capacity: float) -> MemoryReading:

@@ -8,15 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..actions import ACTIONS, RUN_STATES
-from ..catalogue import STEP_DURATION_BUCKETS
+from ..catalogue import STEP_DURATION_BUCKETS, P
 from ..control.run_record import RunRecord
+from ..loader_audit import LoaderAudit
 from .guards import GUARDS
 from .host_memory import HostMemoryReading
-from .loader import LoaderAudit
 from .memory import MemoryReading
 from .window import History
 
-P = "trainpatrol_"
 MAX_PARAM_GROUPS = 16
 
 

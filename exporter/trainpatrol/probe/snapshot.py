@@ -3,6 +3,7 @@ evidence of an out-of-memory error."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import secrets
@@ -14,11 +15,12 @@ from typing import Any
 
 from ..control.evidence_writer import EvidenceWriter
 from ..control.run_record import RunRecord
+from ..loader_audit import LoaderAudit, audit
 from .config import PatrolConfig
 from .guards import Guards
 from .host_memory import HostMemory, worker_pids
 from .identity import Identity
-from .loader import LoaderAudit, LoaderTracker, audit
+from .loader import LoaderTracker
 from .metrics_state import samples
 from .step_recorder import StepRecorder
 from .workload import Workload
@@ -65,7 +67,7 @@ class RankReport:
             "seq": self.seq, "time": time.time(), "step": totals.steps, "state": record.state,
             "samples": samples(totals, recorder.latest, recorder.history, self.guards.trips, self.guards.active,
                                record, ident.info_labels(self.workload), self.audit, self.dropped()),
-            "histogram": {"counts": _cumulative(totals.step_hist), "sum": totals.step_sum},
+            "histogram": {"counts": list(itertools.accumulate(totals.step_hist)), "sum": totals.step_sum},
             "actions": [a.model_dump() for a in record.actions],
             "done_commands": list(self._done_commands),
             "last_checkpoint": record.last_checkpoint, "evidence_dir": record.last_evidence,
@@ -105,11 +107,3 @@ class RankReport:
                        {"source": "exception", "error": repr(exc)})
         self.record.last_evidence = str(bundle)
         return bundle
-
-
-def _cumulative(counts: list[float]) -> list[float]:
-    out, acc = [], 0.0
-    for c in counts:
-        acc += c
-        out.append(acc)
-    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from itertools import islice
 from statistics import median
@@ -30,6 +31,17 @@ def finite(values: list[float]) -> list[float]:
     """``values`` without NaN and Inf; one C-level sum decides whether any needs filtering."""
     total = sum(values)
     return values if total - total == 0 else list(filter(math.isfinite, values))
+
+
+def slope(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of y over x; NaN for fewer than two distinct x."""
+    n = len(points)
+    if n < 2:
+        return math.nan
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    var = sum((p[0] - mx) ** 2 for p in points)
+    return sum((p[0] - mx) * (p[1] - my) for p in points) / var if var > 0 else math.nan
 
 
 class History:
@@ -84,13 +96,7 @@ class History:
 
     def slope(self, field: str) -> float:
         """Least-squares slope of ``field`` against step over the window."""
-        pts = [(r.step, getattr(r, field)) for r in self.recent() if math.isfinite(getattr(r, field))]
-        if len(pts) < 2:
-            return math.nan
-        mx = sum(p[0] for p in pts) / len(pts)
-        my = sum(p[1] for p in pts) / len(pts)
-        den = sum((x - mx) ** 2 for x, _ in pts)
-        return sum((x - mx) * (y - my) for x, y in pts) / den if den else math.nan
+        return slope([(r.step, v) for r in self.recent() if math.isfinite(v := getattr(r, field))])
 
     def dump(self, n: int | None = None) -> list[dict[str, Any]]:
         return [{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in asdict(r).items()}

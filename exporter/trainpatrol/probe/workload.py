@@ -55,12 +55,9 @@ def _first(env: Mapping[str, str], *names: str) -> str:
 
 
 def _launcher(env: Mapping[str, str]) -> tuple[str, str]:
-    if env.get("TRAINPATROL_LAUNCHER", "").strip():
-        return env["TRAINPATROL_LAUNCHER"].strip(), _first(env, "TRAINPATROL_LAUNCHER_JOB")
-    for name, variable in LAUNCHERS:
-        if env.get(variable, "").strip():
-            return name, env[variable].strip()
-    return "", ""
+    if launcher := _first(env, "TRAINPATROL_LAUNCHER"):
+        return launcher, _first(env, "TRAINPATROL_LAUNCHER_JOB")
+    return next(((name, job) for name, variable in LAUNCHERS if (job := _first(env, variable))), ("", ""))
 
 
 def _on_kubernetes(env: Mapping[str, str], namespace_file: Path) -> bool:

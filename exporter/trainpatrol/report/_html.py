@@ -12,11 +12,12 @@ def esc(value: object) -> str:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, cls: str = "", raw: bool = False) -> str:
-    """A table; cells are escaped unless ``raw`` (then the caller escaped them)."""
+    """A table; headers and cells are escaped unless ``raw`` (then the caller escaped them)."""
     cell = (lambda c: c) if raw else esc
-    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    head = "".join(f"<th>{cell(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{cell(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{esc(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    attr = f' class="{esc(cls)}"' if cls else ""
+    return f"<table{attr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def details(summary: str, body: str, *, open_: bool = False, ident: str = "") -> str:
@@ -38,9 +39,11 @@ def num(value: object, digits: int = 4) -> str:
         return "" if value is None else str(value)
     if isinstance(value, int):
         return str(value)
-    if not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-    return f"{value:.{digits}g}"
+    return f"{value:.{digits}g}" if math.isfinite(value) else value_label(value)
+
+
+def value_label(v: float) -> str:
+    return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf")
 
 
 def gib(value: object) -> str:

@@ -20,16 +20,12 @@ _RANK_DIR = re.compile(r"^rank-(\d+)$")
 def to_float(value: Any) -> float | None:
     """A history value as a float; "nan"/"inf"/"-inf" strings (how history.json stores them) become
     the non-finite floats they name, and anything that is not a number becomes None (missing)."""
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
-    if isinstance(value, int | float):
+    try:
         return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -203,15 +199,20 @@ def load(path: Path) -> Bundle:
     return bundle
 
 
+def spans(values: list[int]) -> list[tuple[int, int]]:
+    """Consecutive values merged: [3, 4, 5, 9] -> [(3, 5), (9, 9)]."""
+    out: list[tuple[int, int]] = []
+    for v in sorted(set(values)):
+        if out and v == out[-1][1] + 1:
+            out[-1] = (out[-1][0], v)
+        else:
+            out.append((v, v))
+    return out
+
+
 def compact_ranks(ranks: list[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7, 8"``: runs of three or more become a range."""
-    runs: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if runs and runs[-1][-1] == r - 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return ", ".join(f"{lo}-{hi}" if hi - lo > 1 else ", ".join(map(str, range(lo, hi + 1))) for lo, hi in spans(ranks))
 
 
 def ranks_text(ranks: list[int], capital: bool = False) -> str:

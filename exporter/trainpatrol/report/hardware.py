@@ -133,8 +133,5 @@ def stacks(bundle: Bundle) -> str:
 
 
 def files(bundle: Bundle) -> str:
-    rows = []
-    for name in bundle.files():
-        size = (bundle.path / name).stat().st_size
-        rows.append((name, f"{size:,} B"))
+    rows = [(name, f"{(bundle.path / name).stat().st_size:,} B") for name in bundle.files()]
     return details(f"{len(rows)} files in <code>{esc(bundle.path)}</code>", table(("file", "size"), rows))

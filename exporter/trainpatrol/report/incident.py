@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._html import value_label
 from .bundle import Bundle, RankPart
 
 ALERT_FOR_GUARD = {
@@ -67,10 +68,6 @@ class Incident:
         oom = [OOM_ALERT, "oom"] if self.action == "oom" else []
         keys = [self.alertname, ALERT_FOR_GUARD.get(guard, ""), guard, *oom]
         return list(dict.fromkeys(k for k in keys if k))
-
-
-def value_label(v: float) -> str:
-    return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf")
 
 
 def nonfinite_findings(part: RankPart) -> list[Finding]:

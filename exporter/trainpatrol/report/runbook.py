@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import shipped
 from .._version import __version__
+from ._html import table
 
 ENV = "TRAINPATROL_RUNBOOKS"
 PACKAGED = f"the runbooks of trainpatrol {__version__} (docs/runbooks.md)"
@@ -189,11 +190,8 @@ def markdown_html(md: str, headings: dict[str, str] | None = None) -> str:
             out.append(f"</{lst}>")
             lst = ""
         if rows:
-            head, *body = rows
-            out.append("<table><thead><tr>" + "".join(f"<th>{inline(c, headings)}</th>" for c in head)
-                       + "</tr></thead><tbody>"
-                       + "".join("<tr>" + "".join(f"<td>{inline(c, headings)}</td>" for c in r) + "</tr>" for r in body)
-                       + "</tbody></table>")
+            cells = [[inline(c, headings) for c in row] for row in rows]
+            out.append(table(cells[0], cells[1:], raw=True))
             rows.clear()
 
     for line in md.splitlines():

@@ -190,8 +190,7 @@ def loader(bundle: Bundle) -> str:
     for rank, audit in found.items():
         groups.setdefault(json.dumps(audit, sort_keys=True, default=str), []).append(rank)
     for text, ranks in groups.items():
-        audit = json.loads(text)
-        out.append(f"<h3>{esc(ranks_text(ranks, capital=True))}</h3>" + _one_audit(audit))
+        out.append(f"<h3>{esc(ranks_text(ranks, capital=True))}</h3>" + _one_audit(json.loads(text)))
     if missing:
         out.append(note(f"This bundle carries no DataLoader audit for {esc(ranks_text(missing))} "
                         f"(looked for <code>{AUDIT_KEYS[0]}</code> in <code>rank-NNNNN/extra.json</code> and "

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .bundle import RankPart, ranks_text
-from .incident import value_label
+from ._html import value_label
+from .bundle import RankPart, ranks_text, spans
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -57,17 +57,6 @@ PANELS = (
     Panel("fragmentation", "fragmentation", "unusable at peak / reserved", _field("fragmentation_ratio"),
           connect_samples=True, memory=True),
 )
-
-
-def _spans(steps: list[int]) -> list[tuple[int, int]]:
-    """Consecutive steps merged: [3, 4, 5, 9] -> [(3, 5), (9, 9)]."""
-    out: list[tuple[int, int]] = []
-    for s in sorted(set(steps)):
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
 
 
 def _log_scale_fits(values: list[float]) -> bool:
@@ -119,7 +108,7 @@ def render_svg(ranks: list[RankPart], action_step: int | None, action: str) -> t
                         color="#888", gid=f"empty-{panel.key}")
             ax.grid(True, color="#e5e5e5", linewidth=0.6)
         for ax in axes:
-            for lo, hi in _spans(sorted(bad_steps)):
+            for lo, hi in spans(sorted(bad_steps)):
                 ax.axvspan(lo - 0.5, hi + 0.5, color=NONFINITE_COLOR, alpha=0.12, linewidth=0)
             if action_step is not None:
                 ax.axvline(action_step, color="#333", linestyle="--", linewidth=1)
@@ -171,7 +160,7 @@ def _plot_rank(ax: Axes, panel: Panel, part: RankPart, color: str,
 
 def _label_nonfinite(ax: Axes, bad: dict[int, list[tuple[int, float]]], top: Transform) -> None:
     """One label per run of non-finite steps: what the value was and on which ranks."""
-    for lo, hi in _spans(list(bad)):
+    for lo, hi in spans(list(bad)):
         first = bad[lo]
         kinds = sorted({value_label(v) for _, v in first})
         ranks = sorted({r for s in range(lo, hi + 1) for r, _ in bad.get(s, [])})
