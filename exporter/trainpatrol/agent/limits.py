@@ -184,13 +184,14 @@ RECENT_SECONDS = 3.0
 open: three of a rank's push intervals (1 s), more than a 1 Hz scraper's."""
 
 
-def _victim(live: set[Any], new: Any, now: float) -> Any:
-    """The connection to close when ``new`` puts ``live`` over the cap (module docstring). Reads each
-    connection's ``opened``, ``served`` (when its last request came in whole; None before the first)
-    and ``busy`` (its request is in and being answered)."""
-    never = [g for g in live if g is not new and not g.busy and g.served is None]
-    if never:
-        return min(never, key=lambda g: g.opened)
+def _victim(live: set[Any], fresh: dict[Any, None], new: Any, now: float) -> Any:
+    """The connection to close when ``new`` puts ``live`` over the cap (module docstring). ``fresh``
+    holds the connections that never completed a request, in the order they opened (O(1) under a
+    flood that reconnects as fast as it is evicted); each connection has ``served`` (when its last
+    request came in whole) and ``busy`` (its request is in and being answered)."""
+    oldest = next(iter(fresh), new)  # ``new`` opened last: it comes first only when it is alone
+    if oldest is not new:
+        return oldest
     stale = [g for g in live if g is not new and not g.busy and g.served is not None
              and now - g.served > RECENT_SECONDS]
     if stale:
@@ -201,6 +202,7 @@ def _victim(live: set[Any], new: Any, now: float) -> Any:
 def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol under ``limits``; ``refused(reason)`` counts each connection let go."""
     live: set[Guard] = set()
+    fresh: dict[Guard, None] = {}  # never completed a request, in the order they opened
     deadlines = {h11.IDLE: (limits.header_timeout, "header_timeout"),
                  h11.SEND_BODY: (limits.body_timeout, "body_timeout")}
 
@@ -208,7 +210,6 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
         def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                      _loop: asyncio.AbstractEventLoop | None = None) -> None:
             self.http = H11Protocol(config, server_state, app_state, _loop)
-            self.opened = self.http.loop.time()
             self.served: float | None = None
             """When the last request came in whole; None before the first (``_victim``)."""
             self.timed: object = None
@@ -218,10 +219,12 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self.http.connection_made(transport)  # type: ignore[arg-type]
             live.add(self)
+            fresh[self] = None
             if len(live) > limits.max_connections:
                 refused("connections")
-                victim = _victim(live, self, self.http.loop.time())
+                victim = _victim(live, fresh, self, self.http.loop.time())
                 live.discard(victim)  # closing is not at once: the next connection must not pick it again
+                fresh.pop(victim, None)
                 victim.http.transport.close()
                 if victim is self:
                     return
@@ -235,10 +238,12 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
             self.http.data_received(data)
             if self.busy:  # a request came in whole (also the next one of a kept-alive stream in one packet)
                 self.served = self.http.loop.time()
+                fresh.pop(self, None)
             self.watch()
 
         def connection_lost(self, exc: Exception | None) -> None:
             live.discard(self)
+            fresh.pop(self, None)
             if self.timer is not None:
                 self.timer.cancel()
             self.http.connection_lost(exc)
