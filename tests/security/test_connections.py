@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from _edge import raw
-from _trickle import Trickle
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from trickle import Trickle
 
 from servers import free_port, http_get, process, python_env, serving, wait_for
 
