@@ -36,12 +36,14 @@ def group(cfg: Config) -> Group:
     return Group("trainpatrol-gpu", rules)
 
 
-def _xid_rules(cfg: Config, critical: str, warning: str, where: str, code: str) -> tuple[Alert, ...]:
-    """Critical codes page (with an action where a rank uses the GPU), other codes warn."""
+def _xid_rules(cfg: Config, critical: str, warning: str, where: str, code: str, copied: str, pick: str,
+               ) -> tuple[Alert, ...]:
+    """Critical codes page (with an action for every rank that uses the GPU), other codes warn. Of
+    several codes on one GPU, each rank's alert names the one ``pick`` chooses (the most recent)."""
     return (
         # Two critical rules, one name: only an alert that names a run may carry an action.
         Alert(
-            "GPUXidError", on_rank(cfg, critical), "critical", XID_SUMMARY,
+            "GPUXidError", on_rank(cfg, critical, copied, pick), "critical", XID_SUMMARY,
             f"{where}, used by rank {RANK} of run {RUN}, reported XID {code}, after which the GPU or its "
             f"memory needs attention. {XID_CRITICAL_ACTION}",
             action="checkpoint",
@@ -52,7 +54,7 @@ def _xid_rules(cfg: Config, critical: str, warning: str, where: str, code: str) 
             "needs attention.",
         ),
         Alert(
-            "GPUXidError", on_rank_or_gpu(cfg, warning), "warning", XID_SUMMARY,
+            "GPUXidError", on_rank_or_gpu(cfg, warning, copied, pick), "warning", XID_SUMMARY,
             f"{where}{RANK_CLAUSE} reported XID {code}: a fault of the application (such as 13, 31, 43 or 45) "
             "rather than of the GPU.",
         ),
@@ -78,26 +80,27 @@ def _nvml(cfg: Config) -> tuple[Alert, ...]:
     who = where + RANK_CLAUSE
     return (
         *_xid_rules(cfg, xid_recent(f'xid=~"{codes}"'), xid_recent(f'xid!~"{codes}"'), where,
-                    f"{XID} {AGO} ago"),
+                    f"{XID} {AGO} ago", "xid", "bottomk"),
         Alert(
-            "ThermalThrottle", on_rank_or_gpu(cfg, f"{thermal} == 1"), "warning",
+            "ThermalThrottle", on_rank_or_gpu(cfg, f"{thermal} == 1", "reason"), "warning",
             "A GPU is throttled by temperature.",
             f"{who} runs at reduced clocks: clock event {{{{ $labels.reason }}}} is active.",
         ),
-        *_memory_rules(cfg, increased(cfg, ecc, cfg.ecc_window), f"{remap} > 0", who),
+        *_memory_rules(cfg, increased(cfg, ecc, cfg.ecc_window), f"{remap} > 0", who, "type", "state"),
     )
 
 
-def _memory_rules(cfg: Config, ecc: str, remap: str, who: str) -> tuple[Alert, ...]:
+def _memory_rules(cfg: Config, ecc: str, remap: str, who: str, ecc_copied: str = "", remap_copied: str = "",
+                  ) -> tuple[Alert, ...]:
     return (
         Alert(
-            "EccUncorrectable", on_rank_or_gpu(cfg, ecc), "critical",
+            "EccUncorrectable", on_rank_or_gpu(cfg, ecc, ecc_copied), "critical",
             "A GPU had uncorrectable ECC memory errors.",
             f"{who} counted {COUNT} uncorrectable ECC error(s) in the last {cfg.ecc_window}. "
             "Results computed on it may be corrupt.",
         ),
         Alert(
-            "RowRemapFailure", on_rank_or_gpu(cfg, remap), "critical",
+            "RowRemapFailure", on_rank_or_gpu(cfg, remap, remap_copied), "critical",
             "A GPU failed to remap a memory row.",
             f"{who} failed to remap a faulty memory row: it cannot repair further memory errors and needs "
             "service.",
@@ -127,7 +130,7 @@ def _dcgm(cfg: Config) -> tuple[Alert, ...]:
     where = f"GPU {GPU} ({DCGM_UUID}) on {DCGM_HOST}"
     who = where + RANK_CLAUSE
     return (
-        *_xid_rules(cfg, critical, warning, where, DCGM_XID),
+        *_xid_rules(cfg, critical, warning, where, DCGM_XID, "err_code, err_msg", "topk"),
         Alert(
             "ThermalThrottle", on_rank_or_gpu(cfg, thermal), "warning",
             "A GPU is throttled by temperature.",

@@ -35,11 +35,22 @@ RANK_COPIED = "namespace, pod, container, run, rank, host"
 DCGM_RANK_COPIED = "job, instance, " + RANK_COPIED
 """In DCGM mode also job and instance: the agent that hosts the rank, whose webhook acts on it."""
 
-RANK_INFO = "instance_uuid:trainpatrol_rank_info:topk1_live"
-"""One rank per GPU (a live one first), with ``uuid`` copied from ``gpu_uuid``: the join table."""
-DCGM_RANK_INFO = "cluster_uuid:trainpatrol_rank_info:topk1_newest"
-"""One rank per GPU UUID in the cluster (the one that pushed last), with ``UUID`` copied from
-``gpu_uuid``: the join table for dcgm-exporter's series."""
+RANK_INFO = "instance_uuid_rank:trainpatrol_rank_info:live"
+"""The join table: every rank that uses each GPU (the live ones; where none is live, every rank
+that still has its series), with ``uuid`` copied from ``gpu_uuid`` and only the GPU's and the rank's
+identity as labels. Never one rank chosen per GPU: any push may name any ``gpu_uuid``, so a rank
+that claims a GPU must not take the GPU's alerts away from the run that really uses it."""
+DCGM_RANK_INFO = "cluster_uuid_rank:trainpatrol_rank_info:live"
+"""The same for dcgm-exporter's series, by ``UUID`` across the cluster, with the rank's agent
+(``job``, ``instance``): the agent whose webhook acts."""
+DCGM_NEWEST_RANK = "cluster_uuid:trainpatrol_rank_info:topk1_newest"
+"""One rank per GPU UUID (the one that pushed last), with ``UUID`` copied from ``gpu_uuid``: only for
+the DCGM dashboard, whose panels show one run per GPU. No alert reads it."""
+
+GPU_COPIED = "gpu"
+"""Labels an alert takes from an NVML GPU series, besides its identity and the alert's own labels."""
+DCGM_GPU_COPIED = "gpu, device, pci_bus_id, modelName, Hostname, DCGM_FI_DRIVER_VERSION"
+"""The same for dcgm-exporter's series (its default label set)."""
 
 HALTED_STATES = ("pausing", "paused", "stopping", "stopped", "closed")
 """``trainpatrol_rank_state`` values of a rank that is not training on purpose."""
@@ -169,12 +180,21 @@ def unless_halted(on: str, window: str) -> str:
     return f"unless on ({on})\n  max_over_time({RANK_HALTED}[{window}])"
 
 
-def on_rank(cfg: Config, gpu_expr: str) -> str:
-    """GPU series that a rank uses, with that rank's run, rank, host and workload identity added."""
-    left = f"(\n{indent(gpu_expr)}\n)" if " " in gpu_expr else gpu_expr
+def on_rank(cfg: Config, gpu_expr: str, copied: str = "", pick: str = "topk") -> str:
+    """GPU series once for every rank that uses the GPU: the rank's run, rank, host and workload
+    identity (and, in DCGM mode, its agent), the GPU's labels (``GPU_COPIED`` and ``copied``, such as
+    ``xid``) and the GPU series' value. Two runs on one GPU, or a run and a rank that claims the GPU's
+    UUID, each get their own series: the join never chooses one of them.
+
+    PromQL joins one to many, not many to many: where ``gpu_expr`` has several series for a GPU
+    (two XID codes, two thermal reasons), the one that ``pick`` (``topk``, or ``bottomk`` for the
+    most recent of "seconds ago" values) ranks first stands for the GPU."""
     if cfg.gpu_source == "dcgm":
-        return f"{left}\n* on ({dcgm_gpu_labels(cfg)}) group_left ({DCGM_RANK_COPIED})\n  {DCGM_RANK_INFO}"
-    return f"{left}\n* on ({gpu_labels(cfg)}) group_left ({RANK_COPIED})\n  {RANK_INFO}"
+        on, table, base = dcgm_gpu_labels(cfg), DCGM_RANK_INFO, DCGM_GPU_COPIED
+    else:
+        on, table, base = gpu_labels(cfg), RANK_INFO, GPU_COPIED
+    labels = ", ".join(x for x in (base, copied) if x)
+    return f"{pick} by ({on}) (1,\n{indent(gpu_expr)}\n)\n* on ({on}) group_right ({labels})\n  {table}"
 
 
 def unused_gpu(cfg: Config, gpu_expr: str) -> str:
@@ -184,11 +204,11 @@ def unused_gpu(cfg: Config, gpu_expr: str) -> str:
     return f"{gpu_expr}\nunless on ({gpu_labels(cfg)})\n{RANK_INFO}"
 
 
-def on_rank_or_gpu(cfg: Config, gpu_expr: str) -> str:
-    """GPU series with run, rank and host where a rank uses the GPU, unchanged where none does."""
+def on_rank_or_gpu(cfg: Config, gpu_expr: str, copied: str = "", pick: str = "topk") -> str:
+    """GPU series once for every rank that uses the GPU (``on_rank``), unchanged where none does."""
     fallback = f"(\n{indent(gpu_expr)}\n)" if "\n" in gpu_expr else gpu_expr
     on = dcgm_gpu_labels(cfg) if cfg.gpu_source == "dcgm" else gpu_labels(cfg)
-    return f"(\n{indent(on_rank(cfg, gpu_expr))}\n)\nor on ({on})\n{fallback}"
+    return f"(\n{indent(on_rank(cfg, gpu_expr, copied, pick))}\n)\nor on ({on})\n{fallback}"
 
 
 def indent(text: str, by: str = "  ") -> str:

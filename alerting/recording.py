@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from .config import Config
 from .promql import (
+    DCGM_NEWEST_RANK,
+    DCGM_RANK_COPIED,
     DCGM_RANK_INFO,
     HALTED_STATES,
+    RANK_COPIED,
     RANK_HALTED,
     RANK_INFO,
     Group,
     Recording,
+    dcgm_gpu_labels,
     gpu_labels,
     gpu_utilization,
     indent,
@@ -109,15 +113,9 @@ def group(cfg: Config) -> Group:
         Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
         # The straggler ratio: 1 is the run's median rank; 1.5 is half as slow again.
         Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({run_on}) group_left ()\n({STEP_MEDIAN_RUN} > 0)"),
-        # The join table from GPUs to ranks. topk keeps it unique per GPU, so a finished run's
-        # lingering series or two ranks on one GPU cannot break a join; a live rank wins.
-        Recording(
-            RANK_INFO,
-            "clamp_max(\n  topk by (" + gpu_on + ") (1,\n"
-            + indent(f"{rank_info}\n* on ({rank_on}) group_left ()\n(1 + {s('trainpatrol_rank_up')})", "    ")
-            + "\n  ),\n  1\n)",
-        ),
-        *((_dcgm_join(cfg, with_gpu, rank_on),) if cfg.gpu_source == "dcgm" else ()),
+        # The join table from GPUs to ranks: every rank on each GPU (alerting/promql.py, RANK_INFO).
+        *((_dcgm_join(cfg, with_gpu, rank_on), _dcgm_newest(cfg, with_gpu, rank_on)) if cfg.gpu_source == "dcgm"
+          else (_join(cfg, rank_info, gpu_on, rank_on),)),
         Recording(
             "run:trainpatrol_gpu_utilization_ratio:avg",
             f"avg by ({run_on}) (\n{indent(on_rank(cfg, gpu_utilization(cfg)))}\n)",
@@ -134,13 +132,34 @@ def group(cfg: Config) -> Group:
     return Group("trainpatrol-recording", rules)
 
 
+def _every_rank(cfg: Config, rank_info: str, on: str, copied: str, rank_on: str) -> str:
+    """Every live rank on each GPU (``on``), and on a GPU without a live one every rank that still has
+    its series (a run that the GPU's fault killed is still named), labelled only by the GPU's identity
+    and ``copied``: the join tables of ``promql.on_rank``."""
+    live = f"{rank_info}\n* on ({rank_on}) group_left ()\n({sel(cfg, 'trainpatrol_rank_up')} == 1)"
+    return (
+        f"max by ({on}, {copied}) (\n{indent(live)}\n)\nor on ({on})\n"
+        f"max by ({on}, {copied}) (\n{indent(rank_info)}\n)"
+    )
+
+
+def _join(cfg: Config, rank_info: str, gpu_on: str, rank_on: str) -> Recording:
+    return Recording(RANK_INFO, _every_rank(cfg, rank_info, gpu_on, RANK_COPIED, rank_on))
+
+
 def _dcgm_join(cfg: Config, with_gpu: str, rank_on: str) -> Recording:
-    """The join table from dcgm-exporter's GPUs (``UUID``) to ranks: one rank per GPU, the one that
-    pushed last. A plain ``group_left`` onto ``trainpatrol_rank_info`` fails with many-to-many while
-    an older run's rank_info for the same GPU is still alive (until the agent expires it)."""
+    """The join table from dcgm-exporter's GPUs (``UUID``) to every rank that uses each of them."""
+    rank_info = f'label_replace({with_gpu}, "UUID", "$1", "gpu_uuid", "(.+)")'
+    return Recording(DCGM_RANK_INFO, _every_rank(cfg, rank_info, dcgm_gpu_labels(cfg), DCGM_RANK_COPIED, rank_on))
+
+
+def _dcgm_newest(cfg: Config, with_gpu: str, rank_on: str) -> Recording:
+    """For the DCGM dashboard only (no alert reads it): one rank per GPU, the one that pushed last. A
+    plain ``group_left`` onto ``trainpatrol_rank_info`` fails with many-to-many while an older run's
+    rank_info for the same GPU is still alive (until the agent expires it)."""
     newest = f"{with_gpu}\n* on ({rank_on}) group_left ()\n{sel(cfg, 'trainpatrol_rank_last_push_timestamp_seconds')}"
     return Recording(
-        DCGM_RANK_INFO,
+        DCGM_NEWEST_RANK,
         "label_replace(\n  clamp_max(\n"
         f"    topk by ({cfg.cluster_label}, gpu_uuid) (1,\n{indent(newest, '      ')}\n    ),\n    1\n  ),\n"
         '  "UUID", "$1", "gpu_uuid", "(.+)"\n)',

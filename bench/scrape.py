@@ -20,8 +20,11 @@ attach ``py-spy record -p <agent pid>`` during a run.
 (``hostile_load``): new runs and new ranks until the agent's bounds refuse them, 0.9 MB pushes and
 0.25 MB ones of 1,000 samples,
 webhooks for runs it does not host (some with half a megabyte of annotations), requests with a
-foreign Host header, and 100 connections that never send a request, reopened as the agent lets them
-go. It reports what the agent answered, by kind and status.
+foreign Host header, 100 connections that never send a request, reopened as the agent lets them
+go, and 300 connections that trickle one header byte every 0.25 s and never end a request, reopened
+when closed (``trickle.Trickle``; with ``max_connections`` 256 the agent evicts about 100 of them a
+second). It reports what the agent answered, by kind and status, and how many trickling connections
+it opened.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "exporter"))
+sys.path.insert(0, str(REPO / "bench"))  # trickle.py, also in the hostile load's own process
 
 WORLD_SIZE = 64
 DELAYS = {"nvmlDeviceGetPcieThroughput": 0.0208, "nvmlDeviceGetTotalEnergyConsumption": 0.003}
@@ -175,6 +179,7 @@ class RankSim:
 
 
 HOSTILE_IDLE_CONNECTIONS = 100
+HOSTILE_TRICKLE_CONNECTIONS, HOSTILE_TRICKLE_EVERY = 300, 0.25
 
 
 def hostile_load(port: int, template: dict[str, Any], stop: Any, report: Any) -> None:
@@ -218,6 +223,11 @@ def hostile_load(port: int, template: dict[str, Any], stop: Any, report: Any) ->
             "annotations": {"summary": annotation}, "startsAt": f"2026-12-01T00:00:{n % 60:02d}Z",
             "fingerprint": f"{n:016x}"}]}
 
+    from trickle import Trickle
+
+    trickle = Trickle(port, HOSTILE_TRICKLE_CONNECTIONS, HOSTILE_TRICKLE_EVERY)
+    flood = trickle.running()
+    flood.__enter__()
     n = 0
     while not stop.is_set():
         n += 1
@@ -245,8 +255,10 @@ def hostile_load(port: int, template: dict[str, Any], stop: Any, report: Any) ->
     for s in idle:
         s.close()
     conn.close()
-    report.put({kind: {**dict(sorted(c.items())), "slowest_ms": slowest.get(kind)}
-                for kind, c in sorted(answers.items())})
+    flood.__exit__(None, None, None)
+    report.put({**{kind: {**dict(sorted(c.items())), "slowest_ms": slowest.get(kind)}
+                   for kind, c in sorted(answers.items())},
+                "trickle_connections_opened": trickle.opened})
 
 
 def _still_open(s: socket.socket) -> bool:

@@ -5,6 +5,7 @@ Cumulative values travel as totals, so an agent restart loses nothing: the next 
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -66,11 +67,13 @@ class Histogram(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: Literal["trainpatrol_step_duration_seconds"] = "trainpatrol_step_duration_seconds"
     counts: list[float] = Field(description="Cumulative counts per bucket bound, the +Inf bucket last.")
-    sum: float = Field(ge=0)
+    sum: float = Field(ge=0, allow_inf_nan=False)  # +Inf passes ge=0 and would be exported
 
     @field_validator("counts")
     @classmethod
     def _shape(cls, v: list[float]) -> list[float]:
+        if not all(map(math.isfinite, v)):  # NaN passes every comparison below
+            raise ValueError("Histogram counts must be finite numbers (no NaN or Infinity).")
         if len(v) != len(STEP_DURATION_BUCKETS) + 1:
             raise ValueError(f"Histogram needs {len(STEP_DURATION_BUCKETS) + 1} cumulative counts, got {len(v)}.")
         if any(map(operator.lt, v[1:], v)) or (v and v[0] < 0):  # some count below the one before it

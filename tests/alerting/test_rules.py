@@ -167,8 +167,9 @@ def test_promtool_check_dcgm_rules() -> None:
 
 @needs_promtool
 def test_plain_group_left_on_rank_info_is_many_to_many_where_the_join_table_is_one_to_one(tmp_path: Path) -> None:
-    """Why the DCGM join goes through cluster_uuid:trainpatrol_rank_info:topk1_newest: an older run's
-    rank_info for the same GPU, still alive, makes a plain join fail."""
+    """Why the DCGM dashboard's join goes through cluster_uuid:trainpatrol_rank_info:topk1_newest: an
+    older run's rank_info for the same GPU, still alive, makes a plain join fail. (The alerts join the
+    other way round, one GPU series to every rank: tests/dcgm.test.yml.)"""
     (tmp_path / "rules-dcgm.yml").write_text(DCGM_RULES.read_text())
     fixture = yaml.safe_load((ALERTING / "tests" / "dcgm.test.yml").read_text())["tests"][0]["input_series"]
     util = "DCGM_FI_DEV_GPU_UTIL"

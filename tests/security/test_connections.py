@@ -3,12 +3,18 @@ file descriptors; a request with a wrong token is refused before its body arrive
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 from _edge import raw
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from trickle import Trickle
 
 from servers import free_port, http_get, process, python_env, serving, wait_for
 
@@ -161,3 +167,71 @@ def test_silent_slow_header_and_slow_body_connections_are_closed_after_their_tim
             assert _answer(s).startswith(b"HTTP/1.1 200 ")
         metrics = raw(port, "GET", "/metrics", f"127.0.0.1:{port}")[1]["text"]
         assert 'trainpatrol_refused_requests_total{reason="malformed"} 1.0' in metrics
+
+
+def _honest_pushes(port: int, rank: int, until: float, errors: list[str], done: list[int]) -> None:
+    """A rank's kept-alive stream: a push a second on one connection, as Patrol pushes."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    while time.monotonic() < until:
+        started = time.monotonic()
+        body = json.dumps({"run": "honest", "rank": rank, "world_size": 16, "step": done[rank]}).encode()
+        try:
+            conn.request("POST", "/v1/push", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                errors.append(f"rank {rank}: {response.status}")
+            done[rank] += 1
+        except (OSError, http.client.HTTPException) as exc:
+            errors.append(f"rank {rank}: {exc!r}")
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
+    conn.close()
+
+
+def _honest_scrapes(port: int, until: float, errors: list[str], done: list[int]) -> None:
+    """A 10 Hz scraper on one kept-alive connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    while time.monotonic() < until:
+        try:
+            conn.request("GET", "/metrics")
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                errors.append(f"scrape: {response.status}")
+            done[0] += 1
+        except (OSError, http.client.HTTPException) as exc:
+            errors.append(f"scrape: {exc!r}")
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        time.sleep(0.1)
+    conn.close()
+
+
+def test_kept_alive_rank_streams_and_a_scraper_survive_300_trickling_connections(tmp_path: Path) -> None:
+    """300 connections that each send a header byte every 0.25 s and never end a request (about 120
+    reopened a second once the cap closes them) against max_connections=100: eviction takes the oldest
+    connection that never completed a request, so 16 ranks pushing once a second on kept-alive
+    connections and a 10 Hz kept-alive scraper lose nothing. (Evicting the connection silent longest
+    closed the ranks' streams, whose silences between pushes are longer than the trickle's.)"""
+    port = free_port()
+    env = python_env(TRAINPATROL_MAX_CONNECTIONS="100", TRAINPATROL_KEEP_ALIVE_SECONDS="5")
+    cmd = [sys.executable, "-m", "trainpatrol", "agent", "--no-nvml", "--host", "127.0.0.1", "--port", str(port)]
+    with serving(cmd, tmp_path / "agent.log", port, "/healthz", 20, env=env), Trickle(port, 300).running() as flood:
+        time.sleep(2)  # the flood fills the cap first
+        errors: list[str] = []
+        pushes, scrapes = [0] * 16, [0]
+        until = time.monotonic() + 8
+        threads = [threading.Thread(target=_honest_pushes, args=(port, r, until, errors, pushes)) for r in range(16)]
+        threads.append(threading.Thread(target=_honest_scrapes, args=(port, until, errors, scrapes)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        metrics = raw(port, "GET", "/metrics", f"127.0.0.1:{port}")[1]["text"]
+    evicted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith('trainpatrol_refused_requests_total{reason="connections"}'))
+    assert flood.opened > 400 and evicted > 100, (flood.opened, evicted)  # the flood did press on the cap
+    assert errors == [], (len(errors), errors[:5])
+    assert sum(pushes) >= 16 * 7 and scrapes[0] >= 40, (pushes, scrapes)

@@ -4,6 +4,7 @@ configured addresses, so a web page that rebinds its own name to 127.0.0.1 reach
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 from _edge import AUTH, alert, make, payload, raw, snapshot
@@ -69,3 +70,26 @@ def test_the_bind_address_is_an_allowed_host(bind: str, served: str, refused: st
     client = TestClient(agent.app)
     assert client.get("/healthz", headers={"host": served}).status_code == 200
     assert client.get("/healthz", headers={"host": refused}).status_code == 421
+
+
+@pytest.mark.parametrize("hosts", [("attacker.example", "127.0.0.1"), ("127.0.0.1", "attacker.example"),
+                                   ("127.0.0.1", "127.0.0.1")])
+def test_a_request_with_two_host_headers_is_refused_whichever_comes_last(hosts: tuple[str, str]) -> None:
+    """A proxy or a browser may read the first Host and the agent the last: two Host headers are refused
+    outright (400, counted as reason "host"), and the request reaches no route."""
+    agent = Agent(AgentConfig(nvml=False).load())
+    with agent_in_thread(agent.app) as port:
+        stop = json.dumps({"action": "stop", "reason": "two hosts"}).encode()
+        head = (f"POST /v1/runs/r1/actions HTTP/1.1\r\nHost: {hosts[0]}:{port}\r\nHost: {hosts[1]}:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(stop)}\r\n\r\n").encode()
+        assert raw(port, "POST", "/v1/push", f"127.0.0.1:{port}", json.dumps(snapshot()).encode())[0] == 200
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(head + stop)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        status = answer.split(b"\r\n", 1)[0]
+        assert status == b"HTTP/1.1 400 Bad Request", answer
+        assert b"more than one Host header" in answer
+        assert agent.store.pending("r1") == []
+        assert agent.stats.refusals["host"] == 1

@@ -10,6 +10,7 @@ import pytest
 from _edge import AUTH, alert, make, payload, snapshot
 
 from trainpatrol import cli
+from trainpatrol.catalogue import STEP_DURATION_BUCKETS
 
 SURROGATE = '{"version": "4", "status": "firing", "alerts": [{"status": "firing", "labels": {"alertname": "X", ' \
             '"run": "r1", "action": "pause", "evil": "\\ud800"}, "startsAt": "2026-12-01T00:00:00Z", ' \
@@ -105,3 +106,26 @@ def test_the_status_table_prints_no_control_characters() -> None:
 
 def test_an_error_detail_from_the_agent_is_printed_without_control_characters() -> None:
     assert cli._detail(json.dumps({"detail": "no run \x1b[31mevil\x1b[0m"})) == "no run [31mevil[0m"
+
+
+@pytest.mark.parametrize("where,bad", [("counts", "NaN"), ("counts", "Infinity"), ("sum", "NaN"),
+                                       ("sum", "Infinity")])
+def test_a_histogram_with_a_non_finite_count_or_sum_is_422_and_exports_nothing(where: str, bad: str) -> None:
+    _agent, client = make()
+    counts = [float(i) for i in range(len(STEP_DURATION_BUCKETS) + 1)]
+    histogram = {"counts": counts, "sum": 1.5}
+    body = json.dumps(snapshot(histogram=histogram))
+    if where == "counts":  # a NaN in the middle keeps the rest cumulative: the comparisons pass NaN
+        body = body.replace('"counts": [0.0, 1.0, 2.0', f'"counts": [0.0, {bad}, 2.0')
+    else:
+        body = body.replace('"sum": 1.5', f'"sum": {bad}')
+    assert bad in body
+    r = client.post("/v1/push", content=body.encode(), headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert "finite" in r.text
+    metrics = client.get("/metrics").text
+    assert "NaN" not in metrics and "trainpatrol_step_duration_seconds_count{" not in metrics
+    # A finite histogram is accepted as before.
+    r = client.post("/v1/push", json=snapshot(histogram=histogram), headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert 'trainpatrol_step_duration_seconds_count{' in client.get("/metrics").text

@@ -254,12 +254,15 @@ class Edge:
 
     def _refusal(self, scope: AsgiScope) -> tuple[int, str, bool] | None:
         """(status, detail, ask for a bearer token) for a request refused here, else None."""
-        host, authorization = b"", b""
+        host, authorization, hosts = b"", b"", 0
         for name, value in scope["headers"]:
             if name == b"host":
-                host = value
+                host, hosts = value, hosts + 1
             elif name == b"authorization":
                 authorization = value
+        if hosts > 1:  # h11 keeps both and the last one won: a proxy in front may have checked the first
+            self.stats.count("refusals", "host")
+            return 400, "The request has more than one Host header: it is refused whatever they name.", False
         if not self.hosts(host):
             self.stats.count("refusals", "host")
             shown = host.decode("latin-1")

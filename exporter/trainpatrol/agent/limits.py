@@ -19,10 +19,16 @@ Here:
 - a request must be in within ``header_timeout`` of the connection opening (or of its first byte
   after an answer; the silence before is ``timeout_keep_alive``'s), its body within
   ``body_timeout`` of its headers;
-- over ``max_connections``, the connection that has sent nothing for longest is closed to make room,
-  unless its request is in and being answered (then the next stalest; the new one when all are). A
-  flood of silent or slow connections thus gives way to the next scrape, and a rank, which writes
-  about once a second, is never the stalest.
+- over ``max_connections`` one connection is closed to make room (``_victim``): never one whose request
+  is in and being answered, nor one that completed a request within ``RECENT_SECONDS`` (a rank's
+  kept-alive stream pushes every second, a kept-alive scraper asks every few), while a connection that
+  never completed a request is open. Of those that never completed one, the OLDEST goes (by the time
+  it opened, not by when it last sent a byte: trickling a header byte every 0.25 s used to keep a
+  connection "fresh" and had ranks' streams evicted instead, 0 of 640 pushes through). Then a
+  connection whose last request is older than ``RECENT_SECONDS``, the least recent first; else the new
+  connection itself. A flood of connections that send bytes but finish no request thus only evicts
+  itself, however it paces its bytes, and the next scrape on a new connection lives until about
+  ``max_connections`` newer ones came after it.
 
 Each is counted in ``trainpatrol_refused_requests_total{reason}`` (header_timeout, body_timeout,
 connections; malformed for uvicorn's 400). ``Guard`` wraps uvicorn's h11 protocol rather than
@@ -179,9 +185,30 @@ class ConnectionLimits:
     body_timeout: float = 10.0
 
 
+RECENT_SECONDS = 3.0
+"""A connection that completed a request this recently is not evicted while one that never did is
+open: three of a rank's push intervals (1 s), more than a 1 Hz scraper's."""
+
+
+def _victim(live: set[Any], fresh: dict[Any, None], new: Any, now: float) -> Any:
+    """The connection to close when ``new`` puts ``live`` over the cap (module docstring). ``fresh``
+    holds the connections that never completed a request, in the order they opened (O(1) under a
+    flood that reconnects as fast as it is evicted); each connection has ``served`` (when its last
+    request came in whole) and ``busy`` (its request is in and being answered)."""
+    oldest = next(iter(fresh), new)  # ``new`` opened last: it comes first only when it is alone
+    if oldest is not new:
+        return oldest
+    stale = [g for g in live if g is not new and not g.busy and g.served is not None
+             and now - g.served > RECENT_SECONDS]
+    if stale:
+        return min(stale, key=lambda g: g.served)
+    return new
+
+
 def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol under ``limits``; ``refused(reason)`` counts each connection let go."""
     live: set[Guard] = set()
+    fresh: dict[Guard, None] = {}  # never completed a request, in the order they opened
     deadlines = {h11.IDLE: (limits.header_timeout, "header_timeout"),
                  h11.SEND_BODY: (limits.body_timeout, "body_timeout")}
 
@@ -189,8 +216,8 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
         def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                      _loop: asyncio.AbstractEventLoop | None = None) -> None:
             self.http = H11Protocol(config, server_state, app_state, _loop)
-            self.heard = self.http.loop.time()
-            """When the peer last sent something."""
+            self.served: float | None = None
+            """When the last request came in whole; None before the first (``_victim``)."""
             self.timed: object = None
             """The peer's state whose deadline runs (or ran out, or has none)."""
             self.timer: asyncio.TimerHandle | None = None
@@ -198,22 +225,31 @@ def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self.http.connection_made(transport)  # type: ignore[arg-type]
             live.add(self)
+            fresh[self] = None
             if len(live) > limits.max_connections:
                 refused("connections")
-                victim = min((g for g in live if g is not self and g.http.conn.their_state is not h11.DONE),
-                             key=lambda g: g.heard, default=self)
+                victim = _victim(live, fresh, self, self.http.loop.time())
+                live.discard(victim)  # closing is not at once: the next connection must not pick it again
+                fresh.pop(victim, None)
                 victim.http.transport.close()
                 if victim is self:
                     return
             self.watch()
 
+        @property
+        def busy(self) -> bool:
+            return self.http.conn.their_state is h11.DONE
+
         def data_received(self, data: bytes) -> None:
-            self.heard = self.http.loop.time()
             self.http.data_received(data)
+            if self.busy:  # a request came in whole (also the next one of a kept-alive stream in one packet)
+                self.served = self.http.loop.time()
+                fresh.pop(self, None)
             self.watch()
 
         def connection_lost(self, exc: Exception | None) -> None:
             live.discard(self)
+            fresh.pop(self, None)
             if self.timer is not None:
                 self.timer.cancel()
             self.http.connection_lost(exc)

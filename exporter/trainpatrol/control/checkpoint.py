@@ -14,6 +14,7 @@ pause's), the newest finite one or the newest best one. ``restore("latest")`` ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,12 +44,43 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
+class _KeepsWriteErrors:
+    """A file that remembers the first OSError of a write: torch.save's zip writer swallows it and
+    raises "unexpected pos 704 vs 598" instead, so a full disk would not say so."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> Any:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
 def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Write to a temporary file, fsync, rename; on any failure the temporary file is removed."""
+    """Write to a temporary file, fsync, rename; on any failure the temporary file is removed.
+
+    A failed write raises OSError with its errno and the path (``[Errno 28] No space left on
+    device: '.../state.pt'``), also where the writer (torch.save) reported it as something else."""
     tmp = temp_path(path)
+    kept: _KeepsWriteErrors | None = None
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            kept = _KeepsWriteErrors(f)
+            write(kept)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -57,8 +89,11 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        cause = kept.error if kept is not None and kept.error is not None else exc
+        if isinstance(cause, OSError) and not (isinstance(exc, OSError) and exc.filename):
+            raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from exc
         raise
 
 
@@ -190,16 +225,43 @@ class Checkpointer:
         return self.directory / f"step-{step:08d}"
 
     def save_rank(self, step: int, rank: int, replicated: dict[str, Any] | None, per_rank: dict[str, Any]) -> Path:
-        """Write this rank's share. Raises OSError (disk full, read-only) with nothing half-written."""
+        """Write this rank's share. Raises OSError (disk full, read-only: its errno and path) with
+        nothing half-written, and without the step's directory where it was made for this write and
+        holds nothing else."""
         target = self.path_for(step)
         target.mkdir(parents=True, exist_ok=True)
-        if replicated is not None:
-            if self.save_fn is not None:
-                self.save_fn(target, replicated)
-            else:
-                atomic_write(target / "state.pt", lambda f: torch.save(replicated, f))
-        atomic_write(target / f"rank-{rank:05d}.pt", lambda f: torch.save(per_rank, f))
+        try:
+            if replicated is not None:
+                if self.save_fn is not None:
+                    self.save_fn(target, replicated)
+                else:
+                    atomic_write(target / "state.pt", lambda f: torch.save(replicated, f))
+            atomic_write(target / f"rank-{rank:05d}.pt", lambda f: torch.save(per_rank, f))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                target.rmdir()  # only when empty: another rank's share or an older complete one stays
+            raise
         return target
+
+    def discard(self, step: int, rank: int) -> None:
+        """After a checkpoint that failed on some rank: remove this rank's share of the step's directory,
+        and the directory once empty, unless it is complete (``meta.json``: an older checkpoint of
+        the same step, whose files the failed write left as they were). Rank 0 also removes the
+        replicated state and, once every rank discarded (the caller's barrier), what a ``save_fn`` left."""
+        target = self.path_for(step)
+        if (target / "meta.json").exists():
+            return
+        names = [f"rank-{rank:05d}.pt"] + (["state.pt"] if rank == 0 else [])
+        for name in names:
+            (target / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            target.rmdir()
+
+    def discard_incomplete(self, step: int) -> None:
+        """Rank 0, after every rank's ``discard``: the step's directory goes unless it is complete."""
+        target = self.path_for(step)
+        if target.is_dir() and not (target / "meta.json").exists():
+            shutil.rmtree(target, ignore_errors=True)
 
     def commit(self, step: int, meta: dict[str, Any]) -> Path:
         """Rank 0, after every rank saved: mark complete, then rotate unpinned old ones."""

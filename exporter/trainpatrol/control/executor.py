@@ -8,6 +8,7 @@ checkpoint records whether its state is finite; ``restore("latest")`` takes the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -139,7 +140,12 @@ class Executor:
                 ok, detail = False, f"rank 0: checkpoint commit failed: {exc}"
                 log.error("trainpatrol: %s", detail)
         ok = self.coordinator.all_true(ok)
-        if not ok:
+        if not ok:  # no partial step directory stays: every rank's share goes, then the directory
+            with contextlib.suppress(OSError):
+                checkpointer.discard(step, rank)
+            self.coordinator.all_true(True)
+            if rank == 0:
+                checkpointer.discard_incomplete(step)
             self.record.checkpoint_failures += 1
             return False, "", detail or "checkpoint failed on another rank", {}
         self.record.checkpointed(path, step)
