@@ -140,6 +140,9 @@ class RankSnapshot(BaseModel):
             if s.labels.keys() != expected:
                 raise ValueError(f"samples.{i}: Metric {s.name!r} has labels {sorted(s.labels)}; "
                                  f"expected {sorted(expected)}.")
+        if "".join([v for s in samples for v in s.labels.values()]).isprintable():  # one C call for all
+            return samples
+        for i, s in enumerate(samples):
             for name, value in s.labels.items():
                 if not value.isprintable():
                     raise ValueError(f"samples.{i}: Label {name!r} {value[:64]!r} {NOT_PRINTABLE}.")

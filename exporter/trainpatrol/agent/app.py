@@ -68,6 +68,7 @@ class Agent:
         if not proof.scope.allows(snapshot.namespace):
             self.stats.count("pushes", "wrong_namespace")
             raise PushRefused(f"The token does not reach namespace {snapshot.namespace!r}.")
+        self._check_gpu(snapshot)
         try:
             self.bounds.check_snapshot(snapshot)
             commands = self.store.push(snapshot, proof.key)
@@ -80,6 +81,19 @@ class Agent:
             raise
         self.stats.count("pushes", "ok")
         return commands
+
+    def _check_gpu(self, snapshot: RankSnapshot) -> None:
+        """A rank may name only a GPU of this node (read by NVML): a push that claims another run's GPU
+        elsewhere, or one this node does not have, would put that GPU's alerts on its own run."""
+        named = {snapshot.gpu_uuid, *(s.labels.get("gpu_uuid", "") for s in snapshot.samples
+                                      if s.name == "trainpatrol_rank_info")} - {""}
+        known = self.nvml.uuids() if self.nvml is not None and named else frozenset()
+        foreign = sorted(named - known) if known else []
+        if foreign:
+            self.stats.count("refusals", "foreign_gpu")
+            self.stats.count("pushes", "refused")
+            raise Refused(422, "foreign_gpu", f"GPU {foreign[0]!r} is not a GPU of this node "
+                                              f"({len(known)} known by NVML); a rank pushes to its own node's agent.")
 
     def check_push_body(self, body: bytes) -> None:
         """``Bounds.check_body``, counted."""

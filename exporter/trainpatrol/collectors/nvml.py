@@ -132,6 +132,14 @@ class NvmlCollector:
             raise NvmlUnavailable(f"the last NVML sample is {age:.1f} s old (limit {limit:g} s)")
         return ns.families(sample["gpus"], xids)
 
+    def uuids(self) -> frozenset[str]:
+        """The UUIDs of this node's GPUs and their MIG instances, from the last sample; empty before one."""
+        with self._lock:
+            gpus = (self._sample or {}).get("gpus", [])
+        found = {gpu["uuid"] for gpu in gpus}
+        found.update(labels[0] for gpu in gpus for labels, _ in gpu["series"].get("gpu_mig_info", []))
+        return frozenset(found)
+
     def snapshot(self) -> dict[str, Any]:
         """The last sample, the current error and the XID counts, as JSON-able data."""
         with self._lock:

@@ -15,6 +15,7 @@ from prometheus_client.metrics_core import Metric
 
 from ..catalogue import AGENT_METRICS, RANK_METRICS, STEP_DURATION_BUCKETS
 from ..protocol import RankSnapshot
+from .text_format import Labels
 
 WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
 """The training process's own Kubernetes identity, on every series of its rank when it has one."""
@@ -102,4 +103,4 @@ class RankCollector:
 
 
 def _sorted(labels: dict[str, str]) -> dict[str, str]:
-    return dict(sorted(labels.items()))
+    return Labels(dict(sorted(labels.items())))

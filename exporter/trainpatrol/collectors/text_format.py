@@ -16,6 +16,18 @@ _EXPOSED = {"counter": ("_total", "counter"), "info": ("_info", "gauge"), "state
             "gaugehistogram": ("", "histogram"), "unknown": ("", "untyped")}
 
 
+class Labels(dict[str, str]):
+    """A series' labels with their block as the text format writes it (``a="x",b="y"``), made once: a
+    collector that keeps its series' labels from scrape to scrape (collectors.ranks) saves the writer
+    escaping them again. prometheus_client's own writers read it as the dict it is."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        super().__init__(labels)
+        self.block = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+
+
 def text_format(families: Iterable[Metric]) -> bytes:
     out: list[str] = []
     for family in families:
@@ -24,7 +36,9 @@ def text_format(families: Iterable[Metric]) -> bytes:
         for s in family.samples:
             if s.timestamp is not None or s.name.endswith(("_created", "_gsum", "_gcount")):
                 raise ValueError(f"{s.name}: timestamps and OpenMetrics-only samples are not written here")
-            out.append(f"{_head(s.name, tuple(s.labels.items()))}{floatToGoString(s.value)}\n")
+            block = getattr(s.labels, "block", None)
+            head = f"{s.name}{{{block}}} " if block else _head(s.name, tuple(s.labels.items()))
+            out.append(f"{head}{floatToGoString(s.value)}\n")
     return "".join(out).encode()
 
 
