@@ -114,14 +114,15 @@ def advance(snap: dict[str, Any], base: dict[str, Any], steps: int, rng: random.
     h["sum"] += steps * 0.012 * (0.9 + 0.2 * rng.random())
 
 
-def push_ranks(port: int, template: dict[str, Any], ranks: int, stop: Any, counts: Any) -> None:
+def push_ranks(port: int, template: dict[str, Any], ranks: int, stop: Any, counts: Any,
+               gpus: list[str] | None = None) -> None:
     """Every rank pushes once a second on Patrol's schedule (whole seconds of the wall clock). Lines
     are made ready before their instant and sent back to back at it, as 64 rank processes would send
     in parallel: threads of one process that each encode at the instant queue on the GIL and reach
     the agent spread over tens of milliseconds."""
     from trainpatrol.probe.publisher import next_push_delay
 
-    sims = [RankSim(port, template, rank) for rank in range(ranks)]
+    sims = [RankSim(port, template, rank, (gpus or [])[rank % len(gpus)] if gpus else "") for rank in range(ranks)]
     while not stop.is_set():
         at = time.time() + next_push_delay(1.0, time.time())
         ready = [sim.prepare(at) for sim in sims]
@@ -142,9 +143,11 @@ RUN_KEY_HEADER = "X-Trainpatrol-Run-Key"
 class RankSim:
     """One rank's pushes: its snapshot moving as training would, one request each on a kept-alive connection."""
 
-    def __init__(self, port: int, template: dict[str, Any], rank: int) -> None:
+    def __init__(self, port: int, template: dict[str, Any], rank: int, gpu_uuid: str = "") -> None:
         snap = copy.deepcopy(template)
         snap.update(rank=rank, local_rank=rank % 8, pid=100_000 + rank, instance=f"{rank:016x}")
+        if gpu_uuid:  # one of the agent's (fake) GPUs: the agent refuses a GPU its node does not have
+            snap["gpu_uuid"] = gpu_uuid
         for s in snap["samples"]:
             if "local_rank" in s["labels"]:
                 s["labels"]["local_rank"] = str(rank % 8)
@@ -328,12 +331,16 @@ def measure(ranks: int, seconds: float, scrape_every: float, template: dict[str,
     agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("l", [0, 0])
-    pusher = ctx.Process(target=push_ranks, args=(port, template, ranks, stop, counts), daemon=True)
+    gpus: list[str] = []  # the agent's GPUs, filled before the pushers start (spawn pickles them then)
+    pusher = ctx.Process(target=push_ranks, args=(port, template, ranks, stop, counts, gpus), daemon=True)
     hostile_report = ctx.Queue()
     attacker = ctx.Process(target=hostile_load, args=(port, template, stop, hostile_report), daemon=True)
     hostile_answers: dict[str, Any] = {}
     try:
         wait_until("agent /healthz", lambda: get_once(port, "/healthz"), 30)
+        if nvml:
+            wait_until("an NVML sample", lambda: gpus.extend(g["uuid"] for g in json.loads(
+                get_once(port, "/v1/nvml")).get("gpus", [])) or gpus, 30)
         pusher.start()
         wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks, nvml), 30)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
