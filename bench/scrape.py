@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -181,15 +182,27 @@ class RankSim:
         self.conn = None
 
 
+def late_run(port: int, template: dict[str, Any], gpus: list[str], stop: Any, answers: dict[str, int]) -> None:
+    """A run that starts during the flood and pushes once a second with its key; counts the answers."""
+    sim = RankSim(port, dict(template, run="late-honest"), 0, gpus[0] if gpus else "")
+    while not stop.is_set():
+        status = "200" if sim.send(sim.prepare(time.time())) else "refused"
+        answers[status] = answers.get(status, 0) + 1
+        stop.wait(1.0)
+    sim.close()
+
+
 HOSTILE_IDLE_CONNECTIONS = 100
 HOSTILE_TRICKLE_CONNECTIONS, HOSTILE_TRICKLE_EVERY = 300, 0.25
 
 
-def hostile_load(port: int, template: dict[str, Any], stop: Any, report: Any) -> None:
+def hostile_load(port: int, template: dict[str, Any], stop: Any, report: Any, gpus: list[str] | None = None) -> None:
     """About 10 hostile requests a second and 100 silent connections, until ``stop``; puts the
     statuses the agent answered, by kind, on ``report``."""
     from collections import Counter
 
+    if gpus:  # a GPU of the agent's node: the flood is refused by the bounds, not by the GPU check
+        template = dict(template, gpu_uuid=gpus[0])
     answers: dict[str, Counter[str]] = {}
     slowest: dict[str, float] = {}
     idle: list[socket.socket] = []
@@ -334,7 +347,7 @@ def measure(ranks: int, seconds: float, scrape_every: float, template: dict[str,
     gpus: list[str] = []  # the agent's GPUs, filled before the pushers start (spawn pickles them then)
     pusher = ctx.Process(target=push_ranks, args=(port, template, ranks, stop, counts, gpus), daemon=True)
     hostile_report = ctx.Queue()
-    attacker = ctx.Process(target=hostile_load, args=(port, template, stop, hostile_report), daemon=True)
+    attacker = ctx.Process(target=hostile_load, args=(port, template, stop, hostile_report, gpus), daemon=True)
     hostile_answers: dict[str, Any] = {}
     try:
         wait_until("agent /healthz", lambda: get_once(port, "/healthz"), 30)
@@ -344,9 +357,12 @@ def measure(ranks: int, seconds: float, scrape_every: float, template: dict[str,
         pusher.start()
         wait_until(f"{ranks} ranks and an NVML sample", lambda: _ready(port, ranks, nvml), 30)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+        late: dict[str, int] = {}
         if hostile:  # seconds for it to fill what the bounds let it fill, before measuring
             attacker.start()
             time.sleep(hostile)
+            # a new honest run that comes while the flood holds the bounds: it must get in
+            threading.Thread(target=late_run, args=(port, template, gpus, stop, late), daemon=True).start()
         time.sleep(2.0)  # let every rank push at least twice before measuring
         proc = psutil.Process(agent.pid)
         pushed_before = counts[0]
@@ -414,6 +430,7 @@ def measure(ranks: int, seconds: float, scrape_every: float, template: dict[str,
         "series": sum(1 for line in text.splitlines() if line and not line.startswith("#")),
         "collector_duration_seconds": _collector_durations(text),
         **({"hostile_answers": hostile_answers, "refused_requests": _refusals(text),
+            "late_honest_run_answers": dict(sorted(late.items())),
             "hostile_started_seconds_before": hostile} if hostile else {}),
     }
 

@@ -54,7 +54,7 @@ def test_every_route_in_the_schema_is_served() -> None:
             extra: dict[str, Any] = {} if content is None else {
                 "content": b"{}\n", "headers": {**AUTH, "Content-Type": content}}
             served[f"{method.upper()} {path}"] = client.request(method, url, **{"headers": AUTH, **extra}).status_code
-    assert len(served) == 11 and all(status not in (404, 405) for status in served.values()), served
+    assert len(served) == 12 and all(status not in (404, 405) for status in served.values()), served
     assert served["GET /metrics"] == 200
     assert served["POST /v1/push"] == 422 and agent.stats.pushes["invalid"] == 1.0
 

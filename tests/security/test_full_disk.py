@@ -48,7 +48,8 @@ SCRIPT = textwrap.dedent("""
     while time.monotonic() < deadline and not [a for a in patrol.actions if a.action == "checkpoint"]:
         time.sleep(0.05)
     actions = [{"outcome": a.outcome, "detail": a.detail} for a in patrol.actions if a.action == "checkpoint"]
-    left = sorted(str(p.relative_to(disk)) for p in (disk / "ckpt").rglob("*")) if (disk / "ckpt").exists() else []
+    left = sorted(str(p.relative_to(disk)) for p in (disk / "ckpt").rglob("*")  # the run key stays: it is kept
+                  if not p.name.startswith(".run-key-")) if (disk / "ckpt").exists() else []
     (out / "result.json").write_text(json.dumps({"actions": actions, "left": left}))
     os._exit(0)
 """)

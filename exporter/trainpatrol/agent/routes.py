@@ -200,7 +200,7 @@ def build_api(agent: Services) -> FastAPI:
                        refused=lambda: agent.stats.count("refusals", "max_request_bytes"))
 
     @app.post(handshake.PATH, summary="Proves to a rank that this is its agent, before it sends its secrets",
-              response_model=HelloProof, responses={**documented(422), 409: {"description": "No such secret"}})
+              response_model=HelloProof, responses={**documented(400, 422), 409: {"description": "No such secret"}})
     def hello(request: Request, body: Hello) -> HelloProof | JSONResponse:
         secrets_ = ([cfg.token, *cfg.namespace_tokens.values()] if body.with_ == "token"
                     else [agent.identity_key])
