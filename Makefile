@@ -86,7 +86,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Parallel workers (pytest-xdist): most tests wait on processes and sockets, so four workers on two cores pay;
-# tests/conftest.py makes each test file one unit of work, keeps apart the files that must not overlap, and
+# tests/conftest.py makes each test file one unit of work (report/ one for its session fixture) and
 # starts the longest first. PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 4
 test: $(STAMP) system-deps image-deps lint typecheck
