@@ -43,8 +43,8 @@ LONGEST_FIRST = [  # measured on the 2-core machine, longest first; the units no
     "integration/test_make_demo_stack.py",
     "test_install.py",
     "image/test_agent_image.py",
-    "integration/test_demo_stack.py",
     "control/test_ddp_same_step.py",
+    "integration/test_demo_stack.py",  # not among the first three: their pip installs and image build hog the CPU
     "dashboards/test_dashboards.py",
     "probe/test_host_memory.py",
     "probe/test_embedded_agent.py",
