@@ -14,10 +14,12 @@ venv: $(STAMP)
 
 # torch is no dependency of the package (the training side uses the user's own), so the dev venv installs it
 # explicitly, pinned to the CPU wheel that lies on disk here: a plain `torch` would pull a multi-GB CUDA build.
+# One pip call: the pin holds torch there while the extras resolve (transformers, lightning), so no second
+# install of it. (Byte-compiled up front, as pip does: left to the first import, the compiling lands in the
+# parallel tests' time bounds instead.)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
-	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,report,huggingface,lightning]' torch==2.13.0
 	touch $(STAMP)
 
@@ -83,8 +85,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Parallel workers (pytest-xdist): most tests wait on processes and sockets, so four workers on two cores pay;
+# tests/conftest.py makes each test file one unit of work (report/ one for its session fixture) and
+# starts the longest first. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 4
 test: $(STAMP) system-deps image-deps lint typecheck
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 
 docs: $(STAMP)
 	$(PY) -m trainpatrol.catalogue > docs/metrics.md

@@ -362,8 +362,26 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                 demo.kill()
                 demo.wait(timeout=10)
         assert demo.returncode in (0, 86), log.read_text()[-3000:]
-        time.sleep(4)  # a few more scrapes and rule evaluations after the last push
+        _scraped_and_evaluated_after(prom, time.time() + 3)  # a few more scrapes and rule evaluations
         yield Live(prom, start, time.time())
+
+
+def _scraped_and_evaluated_after(prom: str, moment: float) -> None:
+    """Returns once Prometheus has scraped the agent and evaluated every rule group at or after ``moment``."""
+    def done() -> bool:
+        scraped = query_value(prom, 'timestamp(up{job="trainpatrol"})') or 0.0
+        groups = http_json(f"{prom}/api/v1/rules")["data"]["groups"]
+        evaluated = [g["lastEvaluation"] for g in groups]
+        return bool(scraped >= moment and evaluated and all(_unix(t) >= moment for t in evaluated))
+    wait_for(done, 30, what="scrapes and rule evaluations after the run")
+
+
+def _unix(rfc3339: str) -> float:
+    """An RFC 3339 time as Prometheus writes it (up to nanoseconds; Z or an offset) in Unix seconds."""
+    from datetime import datetime
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
+    assert m, rfc3339
+    return datetime.fromisoformat(m[1] + ("+00:00" if m[3] == "Z" else m[3])).timestamp() + float(m[2] or 0)
 
 
 def _query_range(live: Live, expr: str) -> list[dict[str, Any]]:

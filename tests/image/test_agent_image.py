@@ -12,6 +12,7 @@ import resource
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -65,7 +66,10 @@ class Podman:
                      "vfs", "--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "file"]
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*self.base, *args], capture_output=True, text=True, check=check, timeout=timeout)
+        result = subprocess.run([*self.base, *args], capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:  # what podman said, not only its exit code
+            pytest.fail(f"podman {' '.join(args)} exited {result.returncode}:\n{result.stdout}{result.stderr}")
+        return result
 
     def run_args(self) -> list[str]:
         # as the chart runs it: read-only root without podman's extra tmpfs mounts
@@ -78,8 +82,9 @@ def image() -> Info:
 
 
 @pytest.fixture(scope="module")
-def podman(image: Info, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
-    root = tmp_path_factory.mktemp("podman")
+def podman(image: Info) -> Iterator[Podman]:
+    # podman refuses a runroot of more than 50 characters, which a parallel worker's tmp_path is
+    root = Path(tempfile.mkdtemp(prefix="trainpatrol-podman-"))
     p = Podman(root)
     p("load", "--quiet", "--input", str(build.ARCHIVE))
     try:

@@ -26,7 +26,7 @@ import torch
 
 from loops import scripted_patrol
 from markers import needs_alertmanager, needs_prometheus
-from servers import REPO, alert_loop, http_json, query_value, wait_for
+from servers import REPO, alert_loop, http_get, http_json, query_value, wait_for
 from trainpatrol import Patrol
 from trainpatrol.probe.memory import MemoryReading
 from trainpatrol.protocol import ActionRecord
@@ -145,6 +145,22 @@ def _run_state(loop: Loop, run: str) -> str:
     return str(http_json(f"{loop.agent}/v1/runs/{run}", token=loop.token)["state"])
 
 
+def _last_push(loop: Loop, run: str) -> float:
+    """When the agent took the run's last push, as its /metrics says."""
+    prefix = f'trainpatrol_rank_last_push_timestamp_seconds{{rank="0",run="{run}"}} '
+    (value,) = [line[len(prefix):] for line in http_get(loop.agent + "/metrics").decode().splitlines()
+                if line.startswith(prefix)]
+    return float(value)
+
+
+def _pushes_for(loop: Loop, run: str, seconds: float) -> None:
+    """Returns once the agent has taken the run's pushes over ``seconds`` more of its clock: each push's
+    reply could have carried a command to the run, so what has not happened by then was not sent."""
+    since = _last_push(loop, run)
+    wait_for(lambda: _last_push(loop, run) >= since + seconds, seconds + 10, interval=0.05,
+             what=f"{seconds} s more of pushes of run {run}")
+
+
 def _check_acted(loop: Loop, run: Run, alertname: str, action: str) -> ActionRecord:
     """The action is recorded, ok, after the fault, with its evidence bundle naming the alert; prints timings."""
     record: ActionRecord = wait_for(lambda: run.action(action), HANG_GUARD_SECONDS, interval=0.01,
@@ -188,7 +204,7 @@ def _check_paused_and_stays_paused(loop: Loop, run: Run, alertname: str) -> None
                       token=loop.token)
     assert reply["results"][0]["outcome"] == "resolved"
     steps = run.patrol.step_count
-    time.sleep(1.5)  # six pushes and seven pause polls
+    _pushes_for(loop, name, 1.25)  # five push intervals of the paused run after the resolved notification
     assert run.patrol.state == "paused" and _run_state(loop, name) == "paused"
     assert run.patrol.step_count == steps and run.action("resume") is None
 
@@ -220,7 +236,7 @@ def test_fragmentation_empties_the_cache_and_the_run_goes_on(loop: Loop, start_r
     wait_for(lambda: any(a["status"] == "resolved" and a["outcome"] == "resolved"
                          for a in _alerts(loop, "fragmented", "TrainPatrolMemoryFragmentationHigh")),
              20, what="the resolved notification")
-    time.sleep(0.6)
+    _pushes_for(loop, "fragmented", 0.5)  # two push intervals after it
     assert [a.action for a in run.patrol.actions] == ["empty_cache"]
     assert run.patrol.state == "running" and _run_state(loop, "fragmented") == "running"
 

@@ -22,8 +22,13 @@ PAUSED = re.compile(r"\[demo\] run demo is paused at step (\d+), about ([\d.]+) 
 def _demo(tmp: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "trainpatrol", "demo", "--workdir", str(tmp / "out"), "--auto-resume", "1",
            "--agent-url", f"http://127.0.0.1:{free_port()}", *args]
-    result = subprocess.run(cmd, cwd=REPO, env=env or python_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, timeout=150)
+    try:
+        result = subprocess.run(cmd, cwd=REPO, env=env or python_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, timeout=150)
+    except subprocess.TimeoutExpired as exc:  # say how far it got
+        partial = (exc.output or b"").decode(errors="replace")
+        (tmp / "demo.log").write_text(partial)
+        pytest.fail(f"the demo ran past 150 s; its output so far:\n{partial[-4000:]}")
     out = result.stdout.decode(errors="replace")
     (tmp / "demo.log").write_text(out)
     return result.returncode, out

@@ -133,14 +133,15 @@ def test_ddp_two_ranks_pause_at_the_same_step(tmp_path: Path, agent_url: str) ->
             s = http_json(f"{agent_url}/v1/runs/{run}")
             return len(s["ranks"]) == 2 and all(r["state"] == "paused" for r in s["ranks"]) and s
 
-        status = wait_for(both_paused, 45, interval=0.2, what="both ranks paused")
+        # a hang guard: two processes importing lightning share 2 cores with the other test workers
+        status = wait_for(both_paused, 120, interval=0.2, what="both ranks paused")
         steps = {r["rank"]: r["step"] for r in status["ranks"]}
         threading.Event().wait(1.0)
         again = http_json(f"{agent_url}/v1/runs/{run}")
         assert {r["rank"]: r["step"] for r in again["ranks"]} == steps  # paused: no rank advances
         http_json(f"{agent_url}/v1/runs/{run}/actions", {"action": "resume"})
         for proc, _ in procs:
-            proc.wait(timeout=45)
+            proc.wait(timeout=120)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
