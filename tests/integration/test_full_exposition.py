@@ -61,5 +61,5 @@ def test_hostile_label_values_pushed_to_a_real_agent_parse_back_exactly(tmp_path
     assert refused.value.code == 422
     assert value(body, "trainpatrol_guard_trips_total", {"run": "hostile", "rank": "0", "guard": HOSTILE}) == 2.0
     assert value(body, "trainpatrol_rank_info", {"run": "hostile", "rank": "0", **info}) == 1.0
-    assert b"one" not in body and value(body, "trainpatrol_pushes_total", {"outcome": "invalid"}) == 1.0
+    assert b'guard="one' not in body and value(body, "trainpatrol_pushes_total", {"outcome": "invalid"}) == 1.0
     assert_clean(body)

@@ -3,6 +3,7 @@ configured addresses, so a web page that rebinds its own name to 127.0.0.1 reach
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -76,7 +77,8 @@ def test_the_bind_address_is_an_allowed_host(bind: str, served: str, refused: st
                                    ("127.0.0.1", "127.0.0.1")])
 def test_a_request_with_two_host_headers_is_refused_whichever_comes_last(hosts: tuple[str, str]) -> None:
     """A proxy or a browser may read the first Host and the agent the last: two Host headers are refused
-    outright (400, counted as reason "host"), and the request reaches no route."""
+    outright (400), and the request reaches no route. uvicorn's h11 parser, which the agent runs,
+    refuses them itself; the agent's own Host check refuses them behind any other server."""
     agent = Agent(AgentConfig(nvml=False).load())
     with agent_in_thread(agent.app) as port:
         stop = json.dumps({"action": "stop", "reason": "two hosts"}).encode()
@@ -90,6 +92,24 @@ def test_a_request_with_two_host_headers_is_refused_whichever_comes_last(hosts: 
                 answer += chunk
         status = answer.split(b"\r\n", 1)[0]
         assert status == b"HTTP/1.1 400 Bad Request", answer
-        assert b"more than one Host header" in answer
         assert agent.store.pending("r1") == []
-        assert agent.stats.refusals["host"] == 1
+
+
+def test_the_agents_own_host_check_refuses_two_host_headers() -> None:
+    """Behind a server that passes both on (the ASGI scope holds every header), the Edge refuses them."""
+    agent = Agent(AgentConfig(nvml=False).load())
+    sent: list[dict[str, object]] = []
+    scope = {"type": "http", "method": "POST", "path": "/v1/runs/r1/actions", "raw_path": b"/v1/runs/r1/actions",
+             "query_string": b"", "headers": [(b"host", b"127.0.0.1"), (b"host", b"evil.example")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 9402), "scheme": "http",
+             "http_version": "1.1", "root_path": "", "asgi": {"version": "3.0"}}
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    asyncio.run(agent.app(scope, receive, send))
+    assert sent[0]["status"] == 400 and b"more than one Host header" in sent[1]["body"]  # type: ignore[operator]
+    assert agent.stats.refusals["host"] == 1

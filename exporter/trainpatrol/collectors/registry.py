@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, gzip_accepted
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, gzip_accepted
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 
@@ -75,7 +75,7 @@ class Registry:
     def body(self, accept: str = "", accept_encoding: str = "") -> Body:
         """The body for a scrape with these ``Accept`` and ``Accept-Encoding`` headers."""
         om = wants_openmetrics(accept)
-        content_type = openmetrics.CONTENT_TYPE_LATEST if om else CONTENT_TYPE_PLAIN_0_0_4
+        content_type = openmetrics.CONTENT_TYPE_LATEST if om else CONTENT_TYPE_LATEST
         gzipped = gzip_accepted(accept_encoding)
         with self._lock:
             if self._refresh():
