@@ -27,14 +27,16 @@ def make(tmp: Path, url: str, run: str, seed: int = 0, patrol_args: dict[str, An
 
 
 def train(patrol: Patrol, model: torch.nn.Module, until: int, losses: list[float],
-          gate: threading.Event | None = None) -> int | None:
-    """Synthetic data drawn from torch's RNG, so a restored RNG replays the same batches."""
+          halt: threading.Event | None = None) -> int | None:
+    """Synthetic data drawn from torch's RNG, so a restored RNG replays the same batches.
+
+    `halt` ends a background loop when its test fails, so it cannot draw from the RNG of the next test."""
     assert patrol.optimizer is not None and patrol._scheduler is not None
     try:
-        while patrol.step_count < until:
+        while patrol.step_count < until and not (halt is not None and halt.is_set()):
             patrol.boundary()
-            if gate is not None:
-                gate.wait(0.01)
+            if halt is not None:
+                halt.wait(0.01)
             x = torch.randn(16, 8)
             loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
             loss.backward()
@@ -64,38 +66,47 @@ def test_pause_resume_then_stop_via_the_agent(tmp_path: Path) -> None:
         patrol, model = make(tmp_path, url, "p1")
         losses: list[float] = []
         result: list[int | None] = []
-        t = threading.Thread(target=lambda: result.append(train(patrol, model, 10**6, losses, threading.Event())),
-                             daemon=True)
+        halt = threading.Event()
+        t = threading.Thread(target=lambda: result.append(train(patrol, model, 10**6, losses, halt)), daemon=True)
         t.start()
-        wait_for(lambda: patrol.step_count > 5, 20, what="training started")
-        post_action(url, "p1", "pause")
-        wait_for(lambda: run_state(url, "p1") == "paused", 20, what="paused")
-        paused_at = patrol.step_count
-        assert patrol.state == "paused"
-        holds_for(lambda: patrol.step_count == paused_at and patrol.state == "paused", 0.5, what="the pause")
-        pause = next(a for a in patrol.actions if a.action == "pause")
-        assert pause.outcome == "ok" and pause.step == paused_at
-        ckpt = Path(pause.checkpoint)
-        assert json.loads((ckpt / "meta.json").read_text())["pinned"] is True
-        manifest = json.loads((Path(pause.evidence) / "manifest.json").read_text())
-        assert manifest["action"] == "pause" and manifest["step"] == paused_at
-        for name in ("history.json", "stacks.txt", "nvml.json", "versions.json", "config.json",
-                     "memory_summary.txt"):
-            assert (Path(pause.evidence) / "rank-00000" / name).is_file(), name
-        trigger = json.loads((Path(pause.evidence) / "trigger.json").read_text())
-        assert trigger["action"] == "pause" and trigger["source"] == "api"
+        try:
+            pause_resume_then_stop(url, patrol, t, result)
+        finally:
+            halt.set()
+            t.join(30)
+            patrol.close()
 
-        post_action(url, "p1", "resume")
-        wait_for(lambda: patrol.step_count > paused_at + 5, 20, what="resumed")
-        post_action(url, "p1", "stop")
-        t.join(30)
-        assert result == [STOP_EXIT_CODE]
-        assert patrol.state == "stopped"
-        wait_for(lambda: run_state(url, "p1") == "stopped", 10, what="agent sees stopped")
-        status = http_json(f"{url}/v1/runs/p1")
-        assert status["last_action"]["action"] == "stop" and status["last_action"]["outcome"] == "ok"
-        assert status["last_checkpoint"].endswith(f"step-{patrol.step_count:08d}")
-        patrol.close()
+
+def pause_resume_then_stop(url: str, patrol: Patrol, t: threading.Thread, result: list[int | None]) -> None:
+    # The agent answers 404 for a run until the run's first push, which follows its proof handshake.
+    wait_for(lambda: run_state(url, "p1") == "running", 20, what="the agent knows the run")
+    post_action(url, "p1", "pause")
+    wait_for(lambda: run_state(url, "p1") == "paused", 20, what="paused")
+    paused_at = patrol.step_count
+    assert patrol.state == "paused"
+    holds_for(lambda: patrol.step_count == paused_at and patrol.state == "paused", 0.5, what="the pause")
+    pause = next(a for a in patrol.actions if a.action == "pause")
+    assert pause.outcome == "ok" and pause.step == paused_at
+    ckpt = Path(pause.checkpoint)
+    assert json.loads((ckpt / "meta.json").read_text())["pinned"] is True
+    manifest = json.loads((Path(pause.evidence) / "manifest.json").read_text())
+    assert manifest["action"] == "pause" and manifest["step"] == paused_at
+    for name in ("history.json", "stacks.txt", "nvml.json", "versions.json", "config.json",
+                 "memory_summary.txt"):
+        assert (Path(pause.evidence) / "rank-00000" / name).is_file(), name
+    trigger = json.loads((Path(pause.evidence) / "trigger.json").read_text())
+    assert trigger["action"] == "pause" and trigger["source"] == "api"
+
+    post_action(url, "p1", "resume")
+    wait_for(lambda: patrol.step_count > paused_at + 5, 20, what="resumed")
+    post_action(url, "p1", "stop")
+    t.join(30)
+    assert result == [STOP_EXIT_CODE]
+    assert patrol.state == "stopped"
+    wait_for(lambda: run_state(url, "p1") == "stopped", 10, what="agent sees stopped")
+    status = http_json(f"{url}/v1/runs/p1")
+    assert status["last_action"]["action"] == "stop" and status["last_action"]["outcome"] == "ok"
+    assert status["last_checkpoint"].endswith(f"step-{patrol.step_count:08d}")
 
 
 def test_restart_from_stop_checkpoint_reproduces_losses_bit_for_bit(tmp_path: Path) -> None:
