@@ -1,29 +1,44 @@
-"""Probe overhead: bare loop vs Patrol loop vs seed-style naive telemetry, side by side in one process.
+"""Probe overhead on the README's path: ``for batch in patrol.loader(dl)`` over a real shuffled DataLoader.
 
-Repetitions alternate between the variants (rotating their order) and the report gives medians of
-the per-step time and each variant's overhead over the bare loop, as JSON. A second bare loop
-(``bare_again``) is timed like the others: its "overhead" is the noise floor of the run. Short
-repetitions, many of them, resolve a small difference best on a noisy host, since drift then
-cancels inside each repetition; each case sets its own.
+Every variant iterates the same ``DataLoader`` (shuffled, 2 workers, pinned memory on CUDA, persistent
+workers), one epoch per repetition: ``--warmup`` untimed steps, then ``--steps`` timed ones, closed by a
+device sync. The README loop: batch to the device (non-blocking), forward, backward,
+``clip_grad_norm_``, ``patrol.step(loss, grad_norm=total, batch_size=B, tokens=B*T)``, the optimizer
+step (fused AdamW on CUDA). The variants rotate in each repetition: ``bare``, ``patrol`` and
+``bare_again``, whose "overhead" is the run's noise floor. The Patrol variant builds a fresh ``Patrol``
+before its epoch and closes it after (both untimed), so its optimizer hooks and its publisher thread live
+only while it runs, as in a job; a real agent process takes its pushes.
 
-    python bench/overhead.py --device cpu|cuda [--quick] [--case NAME] [--reps N]
+Reported per case: step time, the paired median overhead (each repetition's variants ran back to back),
+the training thread's CPU time per step (``time.thread_time``: robust on a noisy host) and what Patrol
+adds to it, in kernel launches of this host (the floor, measured here), the publisher thread's CPU per
+second, Patrol's own ``trainpatrol_probe_overhead_ratio`` against the measured overhead, and one
+instrumented epoch that splits Patrol's host time per step by part.
 
-Under ``torchrun --nproc-per-node 2 bench/overhead.py --ddp`` the model is wrapped in DDP and the
-Patrol variant includes the lagged control-word exchange.
+    python bench/overhead.py [--device cpu|cuda] [--case NAME ...] [--reps N] [--profile]
+
+Under ``torchrun --nproc-per-node 2 bench/overhead.py --ddp`` the model is wrapped in DDP, the loader
+takes a ``DistributedSampler``, and the Patrol variant includes the control-word exchange.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import json
 import math
 import os
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +46,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from trainpatrol import Patrol, PatrolConfig
+from trainpatrol.probe import device_values, guards, loader, readback, step_recorder, update_hooks
+from trainpatrol.probe import patrol as patrol_module
 
 
 class Block(nn.Module):
@@ -74,80 +92,292 @@ class GPT(nn.Module):
 @dataclass
 class Case:
     name: str
-    build: Callable[[torch.device], nn.Module]
-    batch: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]
+    build: Callable[[], nn.Module]
+    data: Callable[[int], TensorDataset]
+    """The dataset for ``n`` samples."""
+    batch: int
+    tokens: int
+    """Tokens per sample (0: not a language model)."""
     bf16: bool
     reps: int
     steps: int
-    """Repetitions of each variant, and steps in each."""
 
 
-def _tokens(b: int, t: int, vocab: int = 50257) -> Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]:
-    def make(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randint(0, vocab, (b, t + 1), device=device)
-        return x[:, :-1], x[:, 1:]
-    return make
+def _token_data(t: int, vocab: int = 50257) -> Callable[[int], TensorDataset]:
+    return lambda n: TensorDataset(torch.randint(0, vocab, (n, t + 1), generator=torch.Generator().manual_seed(0)))
 
 
-_TEACHER = torch.Generator().manual_seed(1234)
-_TEACHER_W = torch.randn(256, 1, generator=_TEACHER) / 16
+def _teacher_data(n: int) -> TensorDataset:
+    """A noisy teacher, so the loss settles near the noise instead of being memorised to ~1e-11, where
+    loss-spike guards would trip on rounding noise."""
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randn(256, 1, generator=g) / 16
+    x = torch.randn(n, 256, generator=g)
+    return TensorDataset(x, torch.sin(x @ w) + 0.1 * torch.randn(n, 1, generator=g))
 
 
-def _mlp_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A noisy teacher, so the loss settles near the noise (0.01) instead of being memorised to ~1e-11,
-    where loss-spike guards would trip on rounding noise and log."""
-    x = torch.randn(64, 256, device=device)
-    return x, torch.sin(x @ _TEACHER_W.to(device)) + 0.1 * torch.randn(64, 1, device=device)
+CASES = {c.name: c for c in [
+    Case("gpt-5ms", lambda: GPT(2, 256, 4, seq=128), _token_data(128), 8, 128, True, reps=32, steps=200),
+    Case("gpt-10ms", lambda: GPT(4, 512, 8, seq=256), _token_data(256), 16, 256, True, reps=24, steps=200),
+    Case("gpt2-124m", lambda: GPT(12, 768, 12), _token_data(1024), 16, 1024, True, reps=6, steps=60),
+    Case("mlp-cpu", lambda: nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                                          nn.Linear(512, 1)), _teacher_data, 64, 0, False, reps=40, steps=200),
+]}
+VARIANTS = ["bare", "patrol", "bare_again"]
 
 
-CASES = {
-    "gpt2-124m-bf16-16x1024": Case("gpt2-124m-bf16-16x1024", lambda d: GPT(12, 768, 12).to(d), _tokens(16, 1024),
-                                   True, reps=11, steps=30),
-    "gpt-10ms-bf16-8x512": Case("gpt-10ms-bf16-8x512", lambda d: GPT(6, 512, 8, seq=512).to(d), _tokens(8, 512),
-                                True, reps=101, steps=10),
-    "mlp-cpu": Case("mlp-cpu", lambda d: nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512),
-                                                       nn.GELU(), nn.Linear(512, 1)).to(d), _mlp_batch, False,
-                    reps=201, steps=20),
-}
-VARIANTS = ["bare", "patrol", "patrol_no_skip", "naive", "bare_again"]
-"""``patrol_no_skip``: Patrol with ``skip_nonfinite_updates=False``, so the skip's own cost is the difference."""
+def _loss(model: nn.Module, case: Case, batch: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=case.bf16):
+        if case.tokens:
+            seq = batch[0].to(device, non_blocking=True)
+            out = model(seq[:, :-1])
+            return F.cross_entropy(out.flatten(0, 1).float(), seq[:, 1:].flatten())
+        x, y = (t.to(device, non_blocking=True) for t in batch)
+        return F.mse_loss(model(x).float(), y)
 
 
-def _loss(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=case.bf16):
-        out = model(x)
-        if out.dim() == 3:
-            return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
-        return F.mse_loss(out.float(), y)
-
-
-def run_variant(variant: str, model: nn.Module, opt: torch.optim.Optimizer, case: Case, batches: list[Any],
-                steps: int, patrol: Patrol | None, device: torch.device) -> float:
-    """Seconds per step over ``steps`` steps (one device sync at the end of the block only)."""
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(steps):
-        x, y = batches[i % len(batches)]
-        if patrol is not None:
-            patrol.boundary()
-        loss = _loss(model, case, x, y)
+
+
+def _thread_cpu(thread: threading.Thread | None) -> float:
+    if thread is None or thread.ident is None:
+        return math.nan
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except OSError:  # the thread has ended
+        return math.nan
+
+
+@dataclass
+class Epoch:
+    step_s: float
+    cpu_s: float
+    """The training thread's CPU seconds per step."""
+    publisher_cpu_per_s: float = math.nan
+    self_reported: float = math.nan
+    opt_step_s: float = math.nan
+    """Host seconds per ``optimizer.step()`` call (instrumented epochs only)."""
+
+
+def run_epoch(batches: Iterable[Any], model: nn.Module, opt: torch.optim.Optimizer, case: Case,
+              device: torch.device, warmup: int, patrol: Patrol | None, time_opt: bool = False) -> Epoch:
+    """One epoch of the README loop; times the steps after ``warmup``."""
+    start = cpu = pub = 0.0
+    publisher = patrol._publisher._thread if patrol is not None else None
+    opt_s, steps = 0.0, 0
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            _sync(device)
+            start, cpu, pub = time.perf_counter(), time.thread_time(), _thread_cpu(publisher)
+        loss = _loss(model, case, batch, device)
         loss.backward()
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if variant.startswith("patrol"):
-            assert patrol is not None
-            patrol.step(loss, grad_norm=total, batch_size=x.shape[0])
-        elif variant == "naive":
-            loss.item()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.memory_stats()
-            total.item()
+        if patrol is not None:
+            n = batch[0].shape[0]
+            patrol.step(loss, grad_norm=total, batch_size=n, tokens=n * case.tokens or None)
+        t0 = time.perf_counter()
         opt.step()
+        if i >= warmup:
+            opt_s += time.perf_counter() - t0
+            steps += 1
         opt.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+    _sync(device)
+    wall = time.perf_counter() - start
+    out = Epoch(wall / steps, (time.thread_time() - cpu) / steps, (_thread_cpu(publisher) - pub) / wall)
+    if time_opt:
+        out.opt_step_s = opt_s / steps
+    return out
+
+
+def self_reported(patrol: Patrol) -> float:
+    snap = patrol._report.snapshot()
+    return next((s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_probe_overhead_ratio"), math.nan)
+
+
+class Split:
+    """Exclusive host time per part on the training thread, by wrapping Patrol's functions (an
+    instrumented epoch only: the wrappers cost about a microsecond a call)."""
+
+    PARTS: dict[str, list[tuple[Any, str]]] = {
+        "loader wrapper": [],  # TimedLoader.__iter__, below
+        "step() itself": [(patrol_module.Patrol, "step"), (step_recorder.StepRecorder, "record")],
+        "device row and verdict": [(device_values.DeviceValues, "record"),
+                                   (device_values.DeviceValues, "nonfinite")],
+        "read-back": [(readback.Readback, "poll"), (readback.Readback, "submit"),
+                      (step_recorder.StepRecorder, "_flush")],
+        "fold-in": [(step_recorder.StepRecorder, "fold_in"), (step_recorder.StepRecorder, "_absorb"),
+                    (step_recorder.StepRecorder, "_absorb_values")],
+        "guards": [(guards.Guards, "check_step"), (guards.Guards, "check_memory")],
+        "memory reads": [(step_recorder.StepRecorder, "read_memory")],
+        "optimizer hooks": [(update_hooks.UpdateHooks, "_pre"), (update_hooks.UpdateHooks, "_post")],
+        "boundary": [(patrol_module.Patrol, "boundary"), (patrol_module.Patrol, "_after_optimizer_step")],
+        "(the DataLoader itself)": [],
+    }
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[float] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._owner = threading.get_ident()
+
+    def _frame(self, part: str, fn: Callable[[], Any]) -> Any:
+        if threading.get_ident() != self._owner:
+            return fn()
+        self._stack.append(0.0)
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds[part] += dt - self._stack.pop()
+            if self._stack:
+                self._stack[-1] += dt
+
+    def _wrap(self, owner: Any, name: str, part: str) -> None:
+        original = owner.__dict__[name]
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            return self._frame(part, lambda: original(*args, **kwargs))
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
+
+    def __enter__(self) -> Split:
+        for part, targets in self.PARTS.items():
+            for owner, name in targets:
+                self._wrap(owner, name, part)
+        split, timed_loader, tracker = self, loader.TimedLoader, loader.LoaderTracker
+        wrapper_iter, start_epoch = timed_loader.__dict__["__iter__"], tracker.__dict__["start_epoch"]
+
+        def iter_timed(self: Any) -> Iterator[Any]:
+            gen = wrapper_iter(self)
+            while True:
+                try:
+                    item = split._frame("loader wrapper", lambda: next(gen))
+                except StopIteration:
+                    return
+                yield item
+
+        class Timed:
+            def __init__(self, it: Iterator[Any]) -> None:
+                self.it = it
+
+            def __iter__(self) -> Timed:
+                return self
+
+            def __next__(self) -> Any:
+                return split._frame("(the DataLoader itself)", lambda: next(self.it))
+
+        def start_timed(self: Any, loader_: Any) -> Iterator[Any]:
+            return Timed(start_epoch(self, loader_))
+
+        timed_loader.__iter__ = iter_timed  # type: ignore[method-assign]
+        tracker.start_epoch = start_timed  # type: ignore[method-assign]
+        self._undo += [(timed_loader, "__iter__", wrapper_iter), (tracker, "start_epoch", start_epoch)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+
+
+def launch_us(device: torch.device) -> float:
+    """Host time of one tiny op: a kernel launch on CUDA (no sync inside a burst), a dispatch on CPU."""
+    x = torch.zeros(1, device=device)
+    bursts = []
+    for _ in range(30):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            x.add_(1.0)
+        bursts.append((time.perf_counter() - t0) / 200)
+    _sync(device)
+    return statistics.median(bursts) * 1e6
+
+
+def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent_url: str) -> dict[str, Any]:
+    reps, steps, warmup = args.reps or case.reps, args.steps or case.steps, args.warmup
+    torch.manual_seed(0)
+    model: nn.Module = case.build().to(device)
+    if args.ddp:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    world = torch.distributed.get_world_size() if args.ddp else 1
+    data = case.data((warmup + steps) * case.batch * world)
+    sampler = DistributedSampler(data, shuffle=True) if args.ddp else None
+    dl = DataLoader(data, batch_size=case.batch, shuffle=sampler is None, sampler=sampler, num_workers=2,
+                    pin_memory=device.type == "cuda", persistent_workers=True, drop_last=True)
+    epochs = 0
+
+    def fresh_patrol() -> Patrol:
+        # guards only record: a trip would pause the benchmark, and the checks run all the same
+        cfg = PatrolConfig(run=f"bench-{case.name}", agent_url=agent_url, embedded_agent=False,
+                           checkpoint_dir="/tmp/trainpatrol-bench/ckpt", evidence_dir="/tmp/trainpatrol-bench/ev",
+                           guard_actions={})
+        return Patrol(model=model, optimizer=opt, config=cfg)
+
+    def epoch(variant: str, time_opt: bool = False) -> Epoch:
+        nonlocal epochs
+        if sampler is not None:
+            sampler.set_epoch(epochs)
+        epochs += 1
+        gc.collect()
+        if variant.startswith("bare"):
+            return run_epoch(dl, model, opt, case, device, warmup, None, time_opt)
+        patrol = fresh_patrol()
+        try:
+            result = run_epoch(patrol.loader(dl), model, opt, case, device, warmup, patrol, time_opt)
+            result.self_reported = self_reported(patrol)
+            return result
+        finally:
+            patrol.close()
+
+    epoch("bare")
+    epoch("patrol")
+    runs: dict[str, list[Epoch]] = {v: [] for v in VARIANTS}
+    for rep in range(reps):
+        for v in VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]:
+            runs[v].append(epoch(v))
+
+    def paired(v: str, field: str, pct: bool) -> float:
+        pairs = [(getattr(a, field), getattr(b, field)) for a, b in zip(runs[v], runs["bare"], strict=True)]
+        return statistics.median([100 * (x / y - 1) if pct else x - y for x, y in pairs])
+
+    floor = launch_us(device)
+    added_cpu_us = paired("patrol", "cpu_s", False) * 1e6
+    measured = paired("patrol", "step_s", True)
+    reported = 100 * statistics.median(e.self_reported for e in runs["patrol"])
+    out: dict[str, Any] = {
+        "case": case.name, "reps": reps, "steps_per_rep": steps, "warmup_steps": warmup,
+        "step_ms": {v: round(statistics.median(e.step_s for e in runs[v]) * 1e3, 4) for v in VARIANTS},
+        "overhead_pct_paired_median": {v: round(paired(v, "step_s", True), 3) for v in VARIANTS[1:]},
+        "training_thread_cpu_us_per_step": {v: round(statistics.median(e.cpu_s for e in runs[v]) * 1e6, 1)
+                                            for v in VARIANTS},
+        "patrol_added_cpu_us_per_step_paired": round(added_cpu_us, 1),
+        "noise_added_cpu_us_per_step_paired": round(paired("bare_again", "cpu_s", False) * 1e6, 1),
+        "kernel_launch_us" if device.type == "cuda" else "op_dispatch_us": round(floor, 2),
+        "patrol_added_cpu_in_launches": round(added_cpu_us / floor, 1),
+        "publisher_cpu_ms_per_s": round(statistics.median(e.publisher_cpu_per_s for e in runs["patrol"]) * 1e3, 3),
+        "self_reported_pct": round(reported, 3),
+        "self_report_minus_measured_pp": round(reported - measured, 3),
+    }
+    # one instrumented Patrol epoch, and a bare one for the optimizer step's own host time
+    with Split() as split:
+        part = epoch("patrol", time_opt=True)
+    bare = epoch("bare", time_opt=True)
+    timed_steps = warmup + steps  # the instrumented epoch counts its warm-up steps too
+    out["patrol_host_us_per_step_by_part"] = {k: round(v / timed_steps * 1e6, 2) for k, v in split.seconds.items()}
+    out["optimizer_step_host_us"] = {"bare": round(bare.opt_step_s * 1e6, 1), "patrol": round(part.opt_step_s * 1e6, 1)}
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        epoch("patrol")
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
+        print(text.getvalue(), file=sys.stderr)
+    return out
 
 
 def _agent(port: int) -> subprocess.Popen[bytes] | None:
@@ -163,99 +393,41 @@ def _agent(port: int) -> subprocess.Popen[bytes] | None:
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def bench_case(case: Case, device: torch.device, quick: bool, agent_url: str, ddp: bool,
-               push_interval: float, reps: int | None = None) -> dict[str, Any]:
-    reps, steps, warmup = (5, 20, 5) if quick else (reps or case.reps, case.steps, 50)
-    torch.manual_seed(0)
-    model = case.build(device)
-    if ddp:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    batches = [case.batch(device) for _ in range(32)]
-    # guards only record: a trip would pause the benchmark, and the checks run all the same
-    cfg = PatrolConfig(run=f"bench-{case.name}", agent_url=agent_url, embedded_agent=False,
-                       checkpoint_dir="/tmp/trainpatrol-bench/ckpt", evidence_dir="/tmp/trainpatrol-bench/ev",
-                       push_interval_seconds=push_interval, guard_actions={})
-    patrol = Patrol(model=model, config=cfg)
-
-    def timed(variant: str, n: int) -> float:
-        # Patrol's optimizer hooks exist only while a Patrol variant runs, so the others run bare
-        if variant.startswith("patrol"):
-            patrol.config.skip_nonfinite_updates = variant == "patrol"
-            patrol.optimizer = opt
-        try:
-            return run_variant(variant, model, opt, case, batches, n,
-                               patrol if variant.startswith("patrol") else None, device)
-        finally:
-            patrol.optimizer = None
-
-    for v in ("bare", "patrol", "patrol_no_skip"):
-        timed(v, warmup)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for rep in range(reps):
-        order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]
-        for v in order:
-            times[v].append(timed(v, steps))
-    snap = patrol._report.snapshot()
-    probe = next((s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_probe_overhead_ratio"), math.nan)
-    patrol.close()
-    med = {v: statistics.median(t) for v, t in times.items()}
-    # paired per repetition: each repetition's variants ran back to back, so drift cancels
-    paired = {v: statistics.median(100 * (t / b - 1) for t, b in zip(times[v], times["bare"], strict=True))
-              for v in VARIANTS[1:]}
-    return {
-        "case": case.name, "reps": reps, "steps_per_rep": steps,
-        "step_ms": {v: round(m * 1e3, 4) for v, m in med.items()},
-        "overhead_pct": {v: round(100 * (med[v] / med["bare"] - 1), 3) for v in VARIANTS[1:]},
-        "skip_mode": "found_inf" if fused else "hide_grads",
-        "overhead_pct_paired_median": {v: round(p, 3) for v, p in paired.items()},
-        "patrol_self_reported_overhead_ratio": probe,
-        "pushes_delivered": patrol._publisher.delivered,
-        "control_interval_steps": patrol._coordinator.interval if patrol._coordinator.distributed else None,
-    }
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--case", action="append")
+    ap.add_argument("--case", action="append", choices=sorted(CASES))
+    ap.add_argument("--reps", type=int, help="repetitions of each variant (default: the case's own)")
+    ap.add_argument("--steps", type=int, help="timed steps per repetition (default: the case's own)")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each epoch")
     ap.add_argument("--ddp", action="store_true", help="run under torchrun; wraps the model in DDP")
     ap.add_argument("--port", type=int, default=9471)
-    ap.add_argument("--push-interval", type=float, default=1.0, help="Patrol's push interval (diagnostics)")
-    ap.add_argument("--reps", type=int, help="repetitions of each variant (default: the case's own)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one more Patrol epoch (to stderr)")
     args = ap.parse_args()
-    ddp = args.ddp
-    if ddp:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if args.ddp:
+        torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
-    names = args.case or (["gpt2-124m-bf16-16x1024", "gpt-10ms-bf16-8x512"] if device.type == "cuda" else ["mlp-cpu"])
-    agent = _agent(args.port + (local if ddp else 0)) if local == 0 or not ddp else None
+    names = args.case or (["gpt-5ms", "gpt-10ms", "gpt2-124m"] if device.type == "cuda" else ["mlp-cpu"])
+    agent = _agent(args.port) if local == 0 else None
     time.sleep(2.0 if agent else 0)
-    url = f"http://127.0.0.1:{args.port}"
     try:
-        results = [bench_case(CASES[n], device, args.quick, url, ddp, args.push_interval, args.reps) for n in names]
+        results = [bench_case(CASES[n], device, args, f"http://127.0.0.1:{args.port}") for n in names]
     finally:
         if agent is not None:
             agent.terminate()
     if local == 0:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
-        world = int(os.environ.get("WORLD_SIZE", 1)) if ddp else 1
-        print(json.dumps({"benchmark": "overhead", "device": name, "torch": torch.__version__,
-                          "push_interval_seconds": args.push_interval, "ddp_world": world,
-                          "agent": agent is not None, "results": results}, indent=2))
-    if ddp:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        print(json.dumps({
+            "benchmark": "overhead", "path": "README loop over patrol.loader(DataLoader)",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "ddp_world": torch.distributed.get_world_size() if args.ddp else 1,
+            "agent": agent is not None, "results": results}, indent=2))
+    if args.ddp:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "host_memory_resident_bytes", "gauge", "bytes", "Resident set size of the rank's process (/proc/self/statm), read about once a second off the training thread."),
     _r(P + "host_memory_limit_bytes", "gauge", "bytes", "Host memory limit in force for the rank: PatrolConfig.host_memory_limit_bytes, else the lower of its cgroup's memory.max (v1 memory.limit_in_bytes) and MemTotal."),
     _r(P + "dataloader_worker_resident_bytes", "gauge", "bytes", "Resident set size of each live worker process of the DataLoader iterated through Patrol.loader(), by worker index; it includes pages shared with the rank.", "worker"),
-    _r(P + "probe_overhead_ratio", "gauge", "ratio", "Time spent inside Patrol divided by step time over the recent window."),
+    _r(P + "probe_overhead_ratio", "gauge", "ratio", "Patrol's host time on the training thread (step(), the loader wrapper, the optimizer hooks, the step boundary) divided by step time over the recent window, plus its publisher thread's CPU seconds per second. On a GPU-bound step the host time is hidden and costs less than this."),
     _r(P + "guard_trips_total", "counter", "", "Local guard trips, by guard.", "guard"),
     _r(P + "guard_active", "gauge", "", "1 while a local guard's condition holds at the last read step.", "guard"),
     _r(P + "paused", "gauge", "", "1 while the rank waits in a coordinated pause."),

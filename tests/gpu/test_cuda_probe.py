@@ -146,6 +146,41 @@ def test_instrumented_step_never_syncs(tmp_path: Path) -> None:
     assert patrol._latest.loss == patrol._latest.loss  # read back, finite
 
 
+def test_the_readme_loop_over_a_dataloader_with_workers_never_syncs(tmp_path: Path) -> None:
+    """The path users run: ``patrol.loader`` over a shuffled DataLoader with workers and pinned memory, the
+    batch copied non-blocking, the clip total passed, the fused AdamW's non-finite skip on, the allocator read
+    at every fold; the second epoch runs with any host-device sync raising."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(512, 128), torch.nn.Linear(128, 512)).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    data = TensorDataset(torch.randint(0, 512, (32 * 16, 33)))
+    dl = DataLoader(data, batch_size=16, shuffle=True, num_workers=2, pin_memory=True, persistent_workers=True)
+    config = PatrolConfig(run="gpu-readme", agent_url="http://127.0.0.1:9", embedded_agent=False,
+                          checkpoint_dir=str(tmp_path / "ckpt"), evidence_dir=str(tmp_path / "evidence"),
+                          memory_interval_seconds=0.0)
+    with Patrol(model=model, optimizer=opt, config=config) as patrol:
+        for epoch in range(2):
+            if epoch == 1:  # the first epoch warms up outside the check (lazy CUDA init, pinned buffers)
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                for (seq,) in patrol.loader(dl):
+                    seq = seq.to(DEV, non_blocking=True)
+                    logits = model(seq[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
+                    loss.backward()
+                    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    patrol.step(loss, grad_norm=total, batch_size=seq.shape[0], tokens=seq[:, 1:].numel())
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    assert patrol.step_count == 64
+    assert patrol._totals.tokens == 64 * 16 * 32
+    assert 0 < patrol._latest.loss < 10  # read back, finite
+
+
 def test_loss_sync_is_caught_by_the_check() -> None:
     """The debug mode works here: an .item() raises, so the test above would catch a sync."""
     x = torch.ones((), device=DEV)

@@ -276,9 +276,15 @@ def test_rank_info_and_overhead_ratio(tmp_path: Path, monkeypatch: pytest.Monkey
     for _ in range(30):
         clock.now += 0.098  # the training step's own work
         patrol.step(torch.tensor(1.0))
+    patrol._publisher.stop(final_push=False)  # its thread's CPU time is scripted below
+    patrol._publisher.cpu_seconds = 0.0
     snap = patrol._report.snapshot()
     info = next(s for s in snap["samples"] if s["name"] == "trainpatrol_rank_info")["labels"]
     assert info["device"] == "cpu" and info["world_size"] == "1" and info["torch_version"] == torch.__version__
     # the window's 20 steps each last 98 ms of training and 2 ms of probe
     assert value(snap, "probe_overhead_ratio") == pytest.approx(0.002 / 0.1, rel=1e-9)
+    # the publisher thread's CPU seconds per second are added: 0.5 s of it over the next 2 s
+    patrol._publisher.cpu_seconds = 0.5
+    clock.now += 2.0
+    assert value(patrol._report.snapshot(), "probe_overhead_ratio") == pytest.approx(0.002 / 0.1 + 0.25, rel=1e-9)
     patrol.close()

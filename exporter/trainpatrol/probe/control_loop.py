@@ -9,7 +9,7 @@ from typing import Any
 
 from ..control.checkpoint import Checkpointer
 from ..control.commands import CommandBook
-from ..control.coordinator import Coordinator, encode
+from ..control.coordinator import Agreement, Coordinator, encode
 from ..control.evidence_writer import EvidenceWriter
 from ..control.executor import Executor, RankFacts
 from ..control.run_record import RunRecord
@@ -47,6 +47,19 @@ class ControlLoop:
         """Whether the caller runs ``boundary()`` (the loader wrapper, a framework callback, a loop of its own);
         until then Patrol acts from its hook after ``optimizer.step()``."""
 
+    def _exchange(self) -> Agreement | None:
+        """The control word exchanged, when one is due."""
+        if not self.commands and not self.coordinator.distributed:
+            return None
+        recorder = self._recorder
+        step = recorder.totals.steps
+        if recorder.totals.micro_steps % self._accum or not self.coordinator.due(step):
+            return None
+        recorder.fold_in()  # the control word carries the recent step time
+        agreed = self.coordinator.exchange(step, self.control_word())
+        recorder.latest.interval_steps = self.coordinator.interval
+        return agreed
+
     def control_word(self) -> list[int]:
         pending = {a: c["id"] for a, c in self.commands.pending().items()}
         history = self._recorder.history
@@ -59,19 +72,11 @@ class ControlLoop:
                            "pass `optimizer=` to Patrol, or call `patrol.boundary()` between steps.")
 
     def boundary(self) -> None:
-        """Exchange the control word when due and carry out agreed actions."""
-        if not self.commands and not self.coordinator.distributed:
-            return
-        recorder = self._recorder
-        if recorder.totals.micro_steps % self._accum:
-            return
+        """Exchange the control word when due and carry out agreed actions. Its own time is Patrol's overhead;
+        the actions' is not."""
         start = time.perf_counter()
-        step = recorder.totals.steps
-        if not self.coordinator.due(step):
-            return
-        recorder.absorb_host()  # the control word carries the recent step time
-        agreed = self.coordinator.exchange(step, self.control_word())
-        recorder.latest.interval_steps = self.coordinator.interval
+        recorder = self._recorder
+        agreed = self._exchange()
         recorder.probe_since_step += time.perf_counter() - start
         if agreed is not None and agreed.commands:
             recorder.catch_up(wait=True)

@@ -80,15 +80,21 @@ class DeviceValues:
         if grad_norm is None:
             gn = self._absent
         elif isinstance(grad_norm, torch.Tensor):
-            gn = self._scalar(grad_norm)
+            gn = grad_norm.detach()
         else:
             gn = torch.full((), float(grad_norm), dtype=DTYPE, device=self.device)
-        sc = self._one if scale is None else self._scalar(scale)
+        sc = self._one if scale is None else scale.detach()
         if self.filled == 0:
             # the flags of the last batch were all read by optimizer steps queued before this one
             self._flags.zero_()
         row = self._rows[self.filled]
-        torch.stack([self._scalar(loss), gn, sc], out=row)
+        values = [loss.detach(), gn, sc]
+        try:  # the usual step: 0-dim values on this device, one kernel and no checks of ours
+            if values[0].dim() or gn.dim():
+                raise RuntimeError("not 0-dim")
+            torch.stack(values, out=row)
+        except RuntimeError:  # a [1]-shaped value, or one on another device (a pipeline's last stage)
+            torch.stack([self._scalar(v) for v in values], out=row)
         self.filled += 1
         return row
 

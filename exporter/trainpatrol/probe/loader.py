@@ -120,10 +120,14 @@ class TimedLoader(Iterable[T]):
     ``state_dict``/``load_state_dict`` make it a resumable loader for frameworks that save one (Lightning)."""
 
     def __init__(self, loader: Iterable[T], boundary: Callable[[], None] = lambda: None,
-                 waited: Callable[[float], None] | None = None, tracker: LoaderTracker | None = None) -> None:
+                 waited: Callable[[float], None] = lambda seconds: None, tracker: LoaderTracker | None = None, *,
+                 charge: Callable[[float], None] = lambda seconds: None) -> None:
+        """``waited`` takes each fetch's wait; ``charge`` the wrapper's own time, as Patrol's overhead (the
+        boundary charges its own)."""
         self._loader = loader
         self._boundary = boundary
         self._waited = waited
+        self._charge = charge
         self._tracker = tracker or LoaderTracker()
         self.trained: int | None = None
         """Batches of the current epoch already trained on, when a framework fetches ahead of training (set by
@@ -136,16 +140,18 @@ class TimedLoader(Iterable[T]):
         it = self._tracker.start_epoch(self._loader)
         position = self._tracker.position
         self.trained = None
+        boundary, waited, charge, clock = self._boundary, self._waited, self._charge, time.perf_counter
         while True:
-            self._boundary()
-            start = time.perf_counter()
+            boundary()
+            start = clock()
             try:
                 batch = next(it)
             except StopIteration:
                 return
-            if self._waited is not None:
-                self._waited(time.perf_counter() - start)
+            end = clock()
+            waited(end - start)
             position.batches += 1
+            charge(clock() - end)
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

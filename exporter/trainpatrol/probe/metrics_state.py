@@ -53,7 +53,8 @@ class Latest:
 
 def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str, int],
             guards_active: dict[str, bool], record: RunRecord, info: dict[str, str], audit: LoaderAudit | None,
-            dropped: int) -> list[dict[str, Any]]:
+            dropped: int, publisher_share: float) -> list[dict[str, Any]]:
+    """``publisher_share``: the publisher thread's CPU seconds per second, part of what Patrol costs."""
     out: list[dict[str, Any]] = []
     state = record.state
 
@@ -105,7 +106,7 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
         add("host_memory_limit_bytes", h.limit)
         for worker, resident in h.workers.items():
             add("dataloader_worker_resident_bytes", resident, worker=str(worker))
-    add("probe_overhead_ratio", history.ratio("probe_seconds", "step_seconds"))
+    add("probe_overhead_ratio", history.ratio("probe_seconds", "step_seconds") + publisher_share)
     for g in GUARDS:
         add("guard_trips_total", guards_trips[g], guard=g)
         add("guard_active", 1.0 if guards_active[g] else 0.0, guard=g)

@@ -151,7 +151,7 @@ class Patrol:
             run_key=run_key(cfg.run_key, self._coordinator.distributed, self._device,
                             Path(cfg.checkpoint_dir) / f".run-key-{cfg.run}"),
             interval=cfg.push_interval_seconds)
-        self._report.dropped = lambda: publisher.dropped
+        self._report.publisher = publisher
         self._control = ControlLoop(cfg, identity, self._recorder, commands=self._commands,
                                     coordinator=self._coordinator, record=self._record,
                                     checkpointer=self._checkpointer, evidence=self._evidence, training=self._training,
@@ -175,7 +175,8 @@ class Patrol:
             self._hooks.remove()
         self._recorder.optimizer = optimizer
         self._hooks = None if optimizer is None else \
-            UpdateHooks(optimizer, skip=self.config.skip_nonfinite_updates, after_step=self._after_optimizer_step)
+            UpdateHooks(optimizer, skip=self.config.skip_nonfinite_updates, after_step=self._after_optimizer_step,
+                        charge=self._recorder.charge)
         if self._hooks is not None and self._framework:
             self._hooks.judge_from_grads = True
         self._recorder.hooks = self._hooks
@@ -215,7 +216,9 @@ class Patrol:
             SystemExit: Code 86 (``trainpatrol.STOP_EXIT_CODE``) once a ``stop`` is agreed and checkpointed.
         """
         self._report.audit_loader(loader, self._device.type == "cuda")
-        return TimedLoader(loader, self.boundary, self._recorder.waited, self._loader_tracker)
+        self._control.boundary_driven = True
+        return TimedLoader(loader, self._control.boundary, self._recorder.waited, self._loader_tracker,
+                           charge=self._recorder.charge)
 
     def step(self, loss: torch.Tensor, *, grad_norm: torch.Tensor | float | None = None,
              batch_size: int | None = None, tokens: int | None = None,
@@ -262,7 +265,7 @@ class Patrol:
         Args:
             val_loss: The loss; a tensor is read on the host here (evaluation is off the hot path).
         """
-        self._recorder.absorb_host()
+        self._recorder.fold_in()
         value = float(val_loss)
         self._latest.validation_loss = value
         self._validation_history.append({"step": self._totals.steps, "value": value, "time": time.time()})
@@ -288,7 +291,7 @@ class Patrol:
             restored = patrol.restore("latest")
             for epoch in range(restored.epoch, epochs): ...
         """
-        self._recorder.absorb_host()
+        self._recorder.fold_in()
         restored = self._control.executor.restore(path)
         if restored:
             self._start_at(restored.step)

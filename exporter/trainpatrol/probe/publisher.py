@@ -67,6 +67,8 @@ class Publisher:
         self._failing = False
         self.dropped = 0
         self.delivered = 0
+        self.cpu_seconds = 0.0
+        """The background thread's CPU time so far, for ``trainpatrol_probe_overhead_ratio``."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="trainpatrol-publisher", daemon=True)
@@ -100,7 +102,9 @@ class Publisher:
     def _loop(self) -> None:
         backoff = self.interval
         while not self._stop.is_set():
-            if self.push_now():
+            pushed = self.push_now()
+            self.cpu_seconds = time.thread_time()
+            if pushed:
                 backoff = self.interval
                 delay = next_push_delay(self.interval, time.time())
             else:

@@ -22,6 +22,7 @@ from .host_memory import HostMemory, worker_pids
 from .identity import Identity
 from .loader import LoaderTracker
 from .metrics_state import samples
+from .publisher import Publisher
 from .step_recorder import StepRecorder
 from .workload import Workload
 
@@ -46,8 +47,10 @@ class RankReport:
         self._done_commands, self._validation_history = done_commands, validation_history
         self._audit_logged: set[str] = set()
         self.audit: LoaderAudit | None = None
-        self.dropped = lambda: 0
-        """Pushes the publisher dropped (set once it exists: it takes ``snapshot``)."""
+        self.publisher: Publisher | None = None
+        """Set once it exists (it takes ``snapshot``): its dropped pushes and its thread's CPU time are reported."""
+        self._publisher_seen = (time.perf_counter(), 0.0)
+        self._publisher_share = 0.0
         self.seq = 0
         self._instance = secrets.token_hex(8)
 
@@ -56,7 +59,7 @@ class RankReport:
         every step so far; from the publisher's, CPU values may be ``readback_lag_seconds`` late, as on CUDA."""
         recorder = self.recorder
         if recorder.rows_waiting and threading.get_ident() == recorder.owner:
-            recorder.absorb_host()
+            recorder.fold_in()
         self._read_host_memory()
         self.seq += 1
         ident, totals, record = self.identity, recorder.totals, self.record
@@ -66,12 +69,22 @@ class RankReport:
             **self.workload.fields(),
             "seq": self.seq, "time": time.time(), "step": totals.steps, "state": record.state,
             "samples": samples(totals, recorder.latest, recorder.history, self.guards.trips, self.guards.active,
-                               record, ident.info_labels(self.workload), self.audit, self.dropped()),
+                               record, ident.info_labels(self.workload), self.audit,
+                               self.publisher.dropped if self.publisher else 0, self._publisher_cpu_share()),
             "histogram": {"counts": list(itertools.accumulate(totals.step_hist)), "sum": totals.step_sum},
             "actions": [a.model_dump() for a in record.actions],
             "done_commands": list(self._done_commands),
             "last_checkpoint": record.last_checkpoint, "evidence_dir": record.last_evidence,
         }
+
+    def _publisher_cpu_share(self) -> float:
+        """The publisher thread's CPU seconds per second, over the last second or more."""
+        now, cpu = time.perf_counter(), self.publisher.cpu_seconds if self.publisher else 0.0
+        since, before = self._publisher_seen
+        if now - since >= 1.0:
+            self._publisher_share = max(0.0, cpu - before) / (now - since)
+            self._publisher_seen = (now, cpu)
+        return self._publisher_share
 
     def _read_host_memory(self) -> None:
         """The rank's and its loader workers' resident sets, judged by the host_memory_leak guard. Read here, as

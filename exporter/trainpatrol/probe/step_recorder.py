@@ -1,9 +1,12 @@
 """Records the training steps: the hot path of ``Patrol.step``.
 
-On CUDA a step's loss, grad norm and loss scale go into a device ring, are copied non-blocking to pinned
-memory and are read a step or a few later: never a host-device sync. On CPU a value is read at once
-(for free) and the step's row waits in a batch of about ``readback_lag_seconds`` (a non-finite value
-and a due allocator read at once). Both fold their values into history, totals and guards through one
+A step appends one row of host facts (its end, duration, loader wait, learning rate) to a batch that
+is folded into history, totals and guards about every ``readback_lag_seconds`` (``fold_in``), so the
+per-step Python is a handful of attribute writes. On CUDA the step's loss, grad norm and loss scale
+go into a device ring (one kernel, and one more for the non-finite verdict); the batch's rows are
+copied non-blocking to pinned memory when it is folded in, and read back at a later fold, once they
+have landed: never a host-device sync. On CPU a value is read at once (for free), and a non-finite
+value or a due allocator read folds the batch in at once. Both fold their values in through one
 path, ``_absorb_values``.
 """
 
@@ -34,8 +37,9 @@ JUDGED_AT_ONCE = {"nonfinite_loss", "nonfinite_grad", "memory_fragmentation", "o
 CLIPPED_NORM_STEPS = 8
 """Steps in a row with the same grad norm (to 1e-5) that mean it was read after clipping."""
 Row = list[Any]
-"""A CPU step not yet folded in: [step, end, seconds, loader wait, loss, grad norm, scale, learning rate,
-probe seconds]."""
+"""A step not yet folded in: [step, end, seconds, loader wait, loss, grad norm, scale, learning rate, probe
+seconds]; on CUDA loss, grad norm and scale are NaN here and come with the read-back."""
+STEP, END, SECONDS, WAIT, LOSS, GRAD_NORM, SCALE, LEARNING_RATE, PROBE = range(9)
 
 
 class StepRecorder:
@@ -49,13 +53,13 @@ class StepRecorder:
         self.scaler: Any = None
         self._values = dv.DeviceValues(device)
         self._readback = Readback(device, dv.WIDTH)
-        self._flush_every = 1
         self.on_cpu = device.type == "cpu"
         self._rows: list[Row] = []
-        self._host_batch = 1
-        self._batch_steps = not config.guard_actions.keys() - JUDGED_AT_ONCE
-        """Whether CPU steps may wait in a batch: not when a guard judged there may act, as its action
-        must come at the next boundary (non-finite values and memory readings are judged at once)."""
+        self._batch = 1
+        """Steps a batch holds before it is folded in: about ``readback_lag_seconds`` of them, at most ``dv.ROWS``."""
+        self._batch_steps = not self.on_cpu or not config.guard_actions.keys() - JUDGED_AT_ONCE
+        """Whether steps may wait in a batch: on CPU not when a guard judged there may act, as its action must
+        come at the next boundary (non-finite values and memory readings are judged at once there)."""
         self.owner = threading.get_ident()
         """The thread that records steps: only it folds the CPU batch in (see ``RankReport.snapshot``)."""
         self._memory_reader = config.memory_reader or default_reader(device)
@@ -77,8 +81,13 @@ class StepRecorder:
         self._wait_since_step += seconds
         self.totals.loader_wait += seconds
 
+    def charge(self, seconds: float) -> None:
+        """Patrol's own time spent outside ``record`` (the loader wrapper, the optimizer hooks, the boundary),
+        counted with the next step in ``trainpatrol_probe_overhead_ratio``."""
+        self.probe_since_step += seconds
+
     def start_at(self, step: int) -> None:
-        self.absorb_host()
+        self.fold_in()
         self.totals.steps = step
         self.totals.micro_steps = step * self.config.grad_accum_steps
         self.last_step_end = time.perf_counter()
@@ -109,63 +118,48 @@ class StepRecorder:
         if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: False)():
             scale = getattr(self.scaler, "_scale", None)
         t.steps += 1
+        lr: Any = math.nan
         if learning_rates is not None:
             self.latest.learning_rates, self._lrs = list(learning_rates), None
+            lr = learning_rates[0] if learning_rates else math.nan
         elif self.optimizer is not None:
             lrs: list[Any] = []  # a plain loop is the cheapest way in situ; _take_lrs filters
             for group in self.optimizer.param_groups:
                 lrs.append(group.get("lr"))
             self._lrs = lrs
-        if not self.on_cpu:
-            rec = self._step_device(mean_loss, grad_norm, scale)
-            if self.latest.learning_rates:
-                rec.learning_rate = self.latest.learning_rates[0]
-            rec.probe_seconds = self.probe_since_step + (time.perf_counter() - start)
-            self.probe_since_step = 0.0
-            return True
-        # on CPU a value is read for free (item(): no detach, no warning); the row is folded in later
-        loss_f = float(mean_loss.item())
-        gn_f = dv.ABSENT if grad_norm is None else \
-            float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
-        lr = learning_rates[0] if learning_rates else self._lrs[0] if self._lrs else math.nan
-        row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f,
-               1.0 if scale is None else float(scale.item() if isinstance(scale, torch.Tensor) else scale),
-               float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
-        self.last_step_end = start
-        self._wait_since_step = 0.0
+            lr = lrs[0] if lrs else math.nan
+        hooks = self.hooks
+        if self.on_cpu:  # a value is read for free (item(): no detach, no warning)
+            loss_f = float(mean_loss.item())
+            gn_f = dv.ABSENT if grad_norm is None else \
+                float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+            scale_f = 1.0 if scale is None else float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+            both = loss_f + gn_f
+            urgent = both - both != 0  # NaN/Inf in either (an absent norm is a finite -1): judged at once
+            if hooks is not None:
+                hooks.judge(urgent)
+        else:  # the values stay on the device until the batch's read-back
+            values = self._values
+            values.record(mean_loss, grad_norm, scale)
+            if hooks is not None and hooks.mode != "off":  # the row just written holds loss and grad norm
+                hooks.judge(values.nonfinite())
+            loss_f = gn_f = scale_f = math.nan
+            urgent = values.filled == dv.ROWS
         rows = self._rows
         if not rows:
             self.owner = threading.get_ident()
+        row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f, scale_f,
+               float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
         rows.append(row)
-        both = loss_f + gn_f
-        if self.hooks is not None:
-            self.hooks.judge(both - both != 0)  # NaN/Inf in either; an absent norm is a finite -1
-        # a non-finite value is folded in at once, so a guard's action comes at the next boundary
-        if len(rows) >= self._host_batch or both - both != 0 or start >= self._memory_due:
-            self.absorb_host(start >= self._memory_due)
+        self.last_step_end = start
+        self._wait_since_step = 0.0
+        if urgent or len(rows) >= self._batch or start >= self._memory_due:
+            self.fold_in(start >= self._memory_due)
             self.history.records[-1].probe_seconds = self.probe_since_step + (time.perf_counter() - start)
         else:
-            row[-1] = self.probe_since_step + (time.perf_counter() - start)
+            row[PROBE] = self.probe_since_step + (time.perf_counter() - start)
         self.probe_since_step = 0.0
         return True
-
-    def _step_device(self, mean_loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
-                     scale: torch.Tensor | None) -> StepRecord:
-        """One step's values into the device ring; its record is made now, its values read back later."""
-        self._values.record(mean_loss, grad_norm, scale)
-        if self.hooks is not None and self.hooks.mode != "off":  # the row just written holds loss and grad norm
-            self.hooks.judge(self._values.nonfinite())
-        now = time.perf_counter()
-        rec = self._open_record(self.totals.steps, time.time(), now - self.last_step_end, self._wait_since_step)
-        self.last_step_end = now
-        self._wait_since_step = 0.0
-        self._take_lrs()
-        if now >= self._memory_due:
-            self.read_memory(rec.step, now)
-        if self._values.filled >= self._flush_every:
-            self._flush()
-        self._absorb(self._readback.poll())
-        return rec
 
     def _open_record(self, step: int, wall: float, seconds: float, wait: float) -> StepRecord:
         """A step's record, before its values are read."""
@@ -202,22 +196,17 @@ class StepRecorder:
         self.trip(self.guards.check_memory(m))
 
     def catch_up(self, *, wait: bool) -> None:
-        """Fold in every step recorded so far: the CPU batch, and the device ring (``wait``: the copies
-        still in flight too, else those already landed)."""
-        self.absorb_host()
-        self._flush()
-        self._absorb(self._readback.drain() if wait else self._readback.poll())
+        """Fold in every step recorded so far, with its device values (``wait``: the copies still in flight
+        too, else those already landed)."""
+        self.fold_in()
+        if wait:
+            self._absorb(self._readback.drain())
 
     def _flush(self) -> None:
-        """Send the filled rows to the host; on CUDA, size the next batch to about ``readback_lag``."""
-        if not self._values.filled:
-            return
-        rows, buf = self._values.flush()
-        self._readback.submit((self.totals.steps - rows + 1, rows), buf)
-        if self.device.type == "cuda":
-            recent = self.history.median("step_seconds", 8)
-            lag = self.config.readback_lag_seconds
-            self._flush_every = max(1, min(dv.ROWS, int(lag / recent) if recent > 0 else 1))
+        """Send the device ring's filled rows to the host, to be read back once they land."""
+        if self._values.filled:
+            rows, buf = self._values.flush()
+            self._readback.submit((self.totals.steps - rows + 1, rows), buf)
 
     def _absorb(self, values: list[tuple[tuple[int, int], list[float]]]) -> None:
         """Fold read-back device values (late by a step or a few) into history, totals and guards."""
@@ -225,27 +214,30 @@ class StepRecorder:
             for step, loss, raw_gn, scale in dv.unpack(first, rows, v):
                 self._absorb_values(self.history.get(step), step, loss, raw_gn, scale)
 
-    def absorb_host(self, read_memory: bool = False) -> None:
-        """Fold the pending CPU rows into history, totals and guards in step order, as a device step is
-        (``read_memory``: an allocator read at the last row)."""
+    def fold_in(self, read_memory: bool = False) -> None:
+        """Fold the pending rows into history, totals and guards in step order (``read_memory``: an allocator
+        read at the last row); on CUDA send their device values to the host and absorb those that landed."""
         rows = self._rows
-        if not rows:
-            return
-        self._rows = []
-        self._take_lrs()
-        wall = time.time() - time.perf_counter()
-        last, elapsed = rows[-1], 0.0
-        for row in rows:
-            step, end, seconds, wait, loss, gn, scale, lr, probe = row
-            rec = self._open_record(step, wall + end, seconds, wait)
-            rec.probe_seconds, rec.learning_rate = probe, lr
-            elapsed += seconds
-            if read_memory and row is last:
-                self.read_memory(step, end)
-            self._absorb_values(rec, step, loss, gn, scale)
-        # the next batch covers about readback_lag_seconds of steps
-        if self._batch_steps and elapsed > 0:
-            self._host_batch = max(1, min(dv.ROWS, int(self.config.readback_lag_seconds * len(rows) / elapsed)))
+        if rows:
+            self._rows = []
+            self._take_lrs()
+            wall = time.time() - time.perf_counter()
+            last, elapsed = rows[-1], 0.0
+            for row in rows:
+                step, end, seconds, wait, loss, gn, scale, lr, probe = row
+                rec = self._open_record(step, wall + end, seconds, wait)
+                rec.probe_seconds, rec.learning_rate = probe, lr
+                elapsed += seconds
+                if read_memory and row is last:
+                    self.read_memory(step, end)
+                if self.on_cpu:
+                    self._absorb_values(rec, step, loss, gn, scale)
+            # the next batch covers about readback_lag_seconds of steps
+            if self._batch_steps and elapsed > 0:
+                self._batch = max(1, min(dv.ROWS, int(self.config.readback_lag_seconds * len(rows) / elapsed)))
+        if not self.on_cpu:
+            self._flush()
+            self._absorb(self._readback.poll())
 
     def _absorb_values(self, rec: StepRecord | None, step: int, loss: float, raw_gn: float, scale: float) -> None:
         """Fold one step's values in."""

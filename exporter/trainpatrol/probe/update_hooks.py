@@ -14,6 +14,7 @@ writes is poisoned. How the update is skipped depends on the optimizer, never wi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,9 @@ def skip_mode(optimizer: torch.optim.Optimizer) -> str:
 class UpdateHooks:
     """Step pre- and post-hooks on ``optimizer``; ``judge`` hands over the closing step's verdict."""
 
-    def __init__(self, optimizer: Any, *, skip: bool, after_step: Callable[[], None]) -> None:
+    def __init__(self, optimizer: Any, *, skip: bool, after_step: Callable[[], None],
+                 charge: Callable[[float], None] = lambda seconds: None) -> None:
+        """``charge``: takes the hooks' own time, as Patrol's overhead."""
         self.optimizer = innermost(optimizer)
         self.mode = skip_mode(self.optimizer) if skip else "off"
         if skip and self.mode == "off":
@@ -55,6 +58,7 @@ class UpdateHooks:
                         "with fused=True to have Patrol skip it. Until then a checkpoint written after a NaN is "
                         "marked non-finite and restore('latest') passes over it.", type(self.optimizer).__name__)
         self._after_step = after_step
+        self._charge = charge
         self.judge_from_grads = False
         """Set when the loss is recorded only after the step (framework callbacks): ``judge`` is then ignored."""
         self._verdict: Verdict | None = None
@@ -97,10 +101,12 @@ class UpdateHooks:
         return verdict
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        start = time.perf_counter()
         if self.mode != "off":
             verdict = self._take_verdict()
             if verdict is not None:
                 self.decide(verdict)
+        self._charge(time.perf_counter() - start)
 
     def decide(self, skip: Verdict) -> None:
         """Skip the update being applied now if ``skip`` says so: from the pre-hook, or from inside ``step()``
@@ -127,6 +133,7 @@ class UpdateHooks:
         optimizer.found_inf = skip if existing is None else torch.maximum(existing, skip.to(existing.device))  # type: ignore[attr-defined]
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        start = time.perf_counter()
         self._verdict = None
         if self._hidden:
             for p, g in self._hidden:
@@ -138,4 +145,5 @@ class UpdateHooks:
             else:
                 optimizer.found_inf = self._saved_found_inf  # type: ignore[attr-defined]
             self._saved_found_inf, self._set_found_inf = _ABSENT, False
-        self._after_step()
+        self._charge(time.perf_counter() - start)
+        self._after_step()  # the boundary charges its own time
