@@ -73,5 +73,6 @@ def test_a_run_killed_and_relaunched_is_watched_again_and_obeys_at_once(tmp_path
                 second.kill()
                 second.wait(10)
     print(f"\nrelaunch watched after {back:.2f} s (process start included), pause obeyed after {obeyed:.2f} s")
-    # the relaunch's interpreter and torch import take about 2 s of that here
-    assert back < 5.0 and obeyed < 5.0, (back, obeyed)
+    # The relaunch's interpreter and torch import take about 2 s of that here, over 5 s on a loaded CI
+    # runner; waiting out the killed process's claim would take squat_seconds (60 s).
+    assert back < 20.0 and obeyed < 5.0, (back, obeyed)
