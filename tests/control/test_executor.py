@@ -49,7 +49,10 @@ class Evidence:
 class Training:
     best_pending: float | None = None
 
-    def replicated(self, step: int) -> dict[str, Any]:
+    def sharded(self) -> bool:
+        return False
+
+    def replicated(self, step: int, *, sharded: bool = False) -> dict[str, Any]:
         return {"step": step, "model": {"w": torch.ones(2)}}
 
     def per_rank(self, step: int) -> dict[str, Any]:

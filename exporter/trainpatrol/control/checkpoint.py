@@ -2,12 +2,15 @@
 
 Layout of one checkpoint, ``<dir>/step-00001234/``:
 - ``state.pt``: replicated state (model, optimizer, scheduler, GradScaler), written by rank 0 once;
+- ``dcp-<write>/``: for a sharded model (``control/sharded.py``), the model's and optimizer's shards, which
+  every rank writes through torch.distributed.checkpoint; ``state.pt`` then holds the rest;
 - ``rank-00003.pt``: per-rank state (RNG states of python, numpy, torch and CUDA; the user's extra
   state), one per rank;
 - ``meta.json``: step, world size, time, reason, ``pinned``, ``finite`` (whether every floating-point
-  tensor of the model and optimizer state is finite, with the names of those that are not) and
-  ``best`` (the validation loss, for the checkpoint of the best one); written last by rank 0, so a
-  directory without it is incomplete and ignored.
+  tensor of the model and optimizer state is finite, with the names of those that are not), ``best``
+  (the validation loss, for the checkpoint of the best one) and, for shards, ``format: dcp`` with the
+  DCP directory, its files and their sizes; written last by rank 0, so a directory without it is incomplete and
+  ignored, as is one whose recorded shard files are not all there.
 Rotation keeps the newest ``keep_last`` unpinned checkpoints and never removes a pinned one (a
 pause's), the newest finite one or the newest best one. ``restore("latest")`` takes the newest finite one.
 """
@@ -28,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from . import sharded
 
 log = logging.getLogger("trainpatrol")
 STALE_TEMP_SECONDS = 3600.0
@@ -172,6 +177,7 @@ def nonfinite_entries(state: dict[str, Any]) -> list[str]:
     for part in ("model", "optimizer"):
         for name, t in _tensors(state.get(part), f"{part}:"):
             if t.is_floating_point() or t.is_complex():
+                t = sharded.local(t)  # a rank judges its own shards
                 names, flags = by_device.setdefault(t.device, ([], []))
                 names.append(name)
                 flags.append(torch.isfinite(t).all())
@@ -204,6 +210,14 @@ def read_meta(path: Path) -> dict[str, Any]:
         return dict(json.loads((path / "meta.json").read_text()))
     except (OSError, ValueError):
         return {}
+
+
+def missing_shards(path: Path, meta: dict[str, Any]) -> list[str]:
+    """The DCP files ``meta.json`` records that are not there, or not of their recorded size."""
+    if meta.get("format") != "dcp":
+        return []
+    return sharded.missing(path / str(meta.get("dcp", "")), meta.get("shards") or {}) or \
+        ([] if meta.get("shards") else ["(no shard files recorded)"])
 
 
 def describe_nonfinite(meta: dict[str, Any]) -> str:
@@ -258,16 +272,22 @@ class Checkpointer:
             target.rmdir()
 
     def discard_incomplete(self, step: int) -> None:
-        """Rank 0, after every rank's ``discard``: the step's directory goes unless it is complete."""
+        """Rank 0, after every rank's ``discard``: the step's directory goes unless it is complete; then only
+        the shards its ``meta.json`` names stay."""
         target = self.path_for(step)
         if target.is_dir() and not (target / "meta.json").exists():
             shutil.rmtree(target, ignore_errors=True)
+        elif target.is_dir():
+            for stale in sharded.others(target, keep=str(read_meta(target).get("dcp", ""))):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def commit(self, step: int, meta: dict[str, Any]) -> Path:
         """Rank 0, after every rank saved: mark complete, then rotate unpinned old ones."""
         target = self.path_for(step)
         body = json.dumps({"step": step, "time": time.time(), **meta}, indent=2).encode()
         atomic_write(target / "meta.json", lambda f: f.write(body))
+        for stale in sharded.others(target, keep=str(meta.get("dcp", ""))):  # an older write of this step
+            shutil.rmtree(stale, ignore_errors=True)
         self._rotate(keep=target)
         return target
 
@@ -287,9 +307,13 @@ class Checkpointer:
         skipped: list[str] = []
         for path in reversed(self.complete()):
             meta = read_meta(path)
-            if meta.get("finite", True) is not False:
+            gone = missing_shards(path, meta)
+            if gone:
+                skipped.append(f"{path.name}: shard files missing or cut short ({', '.join(gone)})")
+            elif meta.get("finite", True) is not False:
                 return path, skipped
-            skipped.append(f"{path.name}: {describe_nonfinite(meta)}")
+            else:
+                skipped.append(f"{path.name}: {describe_nonfinite(meta)}")
         return None, skipped
 
     def last_good(self) -> Path | None:
@@ -322,6 +346,10 @@ def load(path: Path, rank: int, map_location: str | torch.device = "cpu") -> tup
     if not meta_file.is_file():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} is incomplete: no meta.json.")
     meta = json.loads(meta_file.read_text())
+    gone = missing_shards(path, meta)
+    if gone:
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} is incomplete: shard files missing or cut short: "
+                                f"{', '.join(gone)}.")
     replicated = torch.load(path / "state.pt", map_location=map_location, weights_only=False) \
         if (path / "state.pt").is_file() else {}
     rank_file = path / f"rank-{rank:05d}.pt"

@@ -20,6 +20,7 @@ import torch
 
 from ..actions import PRIORITY, STOP_EXIT_CODE
 from . import checkpoint as ckpt
+from . import sharded
 from .commands import CommandBook
 from .coordinator import Agreement, Coordinator
 from .evidence_writer import EvidenceWriter
@@ -88,7 +89,8 @@ class Executor:
         detail, path, ok = "", "", True
         facts: dict[str, Any] = {}
         if action in ("checkpoint", "pause", "stop"):
-            ok, path, detail, facts = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger)
+            ok, path, detail, facts = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger,
+                                                       write=f"{int(agreed.clock)}-{cid}")
         if action == "empty_cache" and f.device.type == "cuda":
             torch.cuda.empty_cache()
         bundle = self.evidence.bundle(agreed.clock, step, action)
@@ -112,30 +114,40 @@ class Executor:
         record.action(cid, action, "ok" if ok else "failed", step, detail, path, str(bundle))
         return ok
 
-    def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any]) -> tuple[bool, str, str, dict[str, Any]]:
-        """(ok, path, detail, facts): facts say, on rank 0, whether the state is finite and if it is the best."""
+    def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any],
+                    write: str) -> tuple[bool, str, str, dict[str, Any]]:
+        """(ok, path, detail, facts): facts say, on rank 0, whether the state is finite and if it is the best.
+        ``write``: names this write the same on every rank (its shards' directory)."""
         rank, checkpointer, training = self.facts.rank, self.checkpointer, self.training
         detail = ""
         facts: dict[str, Any] = {}
         best, training.best_pending = training.best_pending, None
-        try:
-            replicated = training.replicated(step) if rank == 0 else None
-            if replicated is not None:
-                bad = ckpt.nonfinite_entries(replicated)
-                facts = {"finite": not bad, "nonfinite": bad[:ckpt.NONFINITE_NAMES_KEPT], "nonfinite_count": len(bad)}
-                if best is not None:
-                    facts["best"] = {"validation_loss": best}
-            checkpointer.save_rank(step, rank, replicated, training.per_rank(step))
-            ok = True
-        except Exception as exc:
-            ok, detail = False, f"rank {rank}: checkpoint failed: {exc}"
-            log.error("trainpatrol: %s; the previous checkpoint is intact", detail)
+        shards = training.sharded()  # the same on every rank, so every rank takes the same collectives
+        shard_dir = f"{sharded.PREFIX}{write}"
+        ok, bad = self._save_shards(checkpointer.path_for(step) / shard_dir) if shards else (True, [])
+        if ok:
+            try:
+                replicated = training.replicated(step, sharded=shards) if rank == 0 else None
+                if replicated is not None and not shards:
+                    bad = ckpt.nonfinite_entries(replicated)
+                checkpointer.save_rank(step, rank, replicated, training.per_rank(step))
+            except Exception as exc:
+                ok, detail = False, f"rank {rank}: checkpoint failed: {exc}"
+                log.error("trainpatrol: %s; the previous checkpoint is intact", detail)
+        else:
+            detail = bad[0] if bad else "sharded checkpoint failed"
+        if rank == 0 and ok:
+            facts = {"finite": not bad, "nonfinite": bad[:ckpt.NONFINITE_NAMES_KEPT], "nonfinite_count": len(bad)}
+            if best is not None:
+                facts["best"] = {"validation_loss": best}
         ok = self.coordinator.all_true(ok)
         path = str(checkpointer.path_for(step))
         if ok and rank == 0:
             try:
+                layout = {"format": "dcp", "dcp": shard_dir,
+                          "shards": sharded.files(checkpointer.path_for(step) / shard_dir)} if shards else {}
                 checkpointer.commit(step, {"world_size": self.facts.world_size, "pinned": pinned,
-                                           "run": self.facts.run, "reason": reason, **facts})
+                                           "run": self.facts.run, "reason": reason, **facts, **layout})
             except Exception as exc:
                 ok, detail = False, f"rank 0: checkpoint commit failed: {exc}"
                 log.error("trainpatrol: %s", detail)
@@ -155,6 +167,32 @@ class Executor:
                       f"last good checkpoint: {good or 'none'}")
             log.error("trainpatrol: %s", detail)
         return True, path, detail, facts
+
+    def _save_shards(self, where: Path) -> tuple[bool, list[str]]:
+        """Every rank writes its shards of the model and optimizer (torch.distributed.checkpoint). Returns
+        (ok on every rank, the non-finite tensors of this rank's shards), or (False, [why]). Each rank makes
+        the same collective calls whatever fails, so none waits for ever."""
+        rank, error = self.facts.rank, ""
+        state: dict[str, Any] = {}
+        bad: list[str] = []
+        try:
+            state = self.training.sharded_state()
+            bad = ckpt.nonfinite_entries(state)
+        except Exception as exc:
+            error = f"rank {rank}: sharded state not taken: {exc}"
+        if not self.coordinator.all_true(not error):
+            return False, [error or "sharded state not taken on another rank"]
+        if not self.coordinator.all_true(not bad) and not bad:
+            bad = ["(on another rank's shards)"]
+        try:
+            sharded.save(where, state)
+        except Exception as exc:  # DCP raises on every rank when one fails
+            error = f"rank {rank}: sharded checkpoint failed: {exc}"
+        if error:
+            log.error("trainpatrol: %s; the previous checkpoint is intact", error)
+        if not self.coordinator.all_true(not error):
+            return False, [error or "sharded checkpoint failed on another rank"]
+        return True, bad
 
     def _checkpoint_landmarks(self) -> dict[str, Any]:
         """The checkpoints a reader of the evidence wants next to the one just written."""
@@ -227,6 +265,8 @@ class Executor:
         else:
             target, reason = Path(path), "asked for by path"
         meta, replicated, per_rank = ckpt.load(target, self.facts.rank, map_location=self.facts.device)
+        if meta.get("format") == "dcp":  # every rank reads its shards, resharded where the world size changed
+            self.training.load_sharded(target / str(meta["dcp"]))
         epoch = self.training.load(replicated, per_rank)
         step = int(meta["step"])
         self.record.last_checkpoint = str(target)

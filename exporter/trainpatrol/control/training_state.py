@@ -1,12 +1,15 @@
 """What a checkpoint holds of the training: the replicated state (model, optimizer, scheduler, scaler),
-and per rank the RNG, the loader's position and the caller's extra state."""
+and per rank the RNG, the loader's position and the caller's extra state. A sharded model's and its
+optimizer's state goes through torch.distributed.checkpoint instead (``sharded``), every rank its shards."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from . import checkpoint as ckpt
+from . import sharded as dcp_state
 
 STATEFUL = ("model", "optimizer", "scheduler", "scaler")
 
@@ -20,16 +23,33 @@ class LoaderPosition(Protocol):
 class TrainingState:
     def __init__(self, objects: Callable[[], dict[str, Any]], loader: LoaderPosition,
                  extra_state: Callable[[], dict[str, Any]] | None = None,
-                 load_extra_state: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+                 checkpoint_format: str = "auto") -> None:
         self._objects, self._loader = objects, loader
+        self._format = checkpoint_format
         self.extra_state, self.load_extra_state = extra_state, load_extra_state
         self.best_pending: float | None = None
         """A new best validation loss that the next checkpoint is marked with."""
 
-    def replicated(self, step: int) -> dict[str, Any]:
+    def sharded(self) -> bool:
+        """Whether the model and optimizer state is saved as shards, by every rank (the same on every rank)."""
+        model = self._objects()["model"]
+        return model is not None and (self._format == "dcp" or
+                                      (self._format == "auto" and dcp_state.holds_dtensors(model)))
+
+    def sharded_state(self) -> dict[str, Any]:
+        objects = self._objects()
+        return dcp_state.state(objects["model"], objects["optimizer"])
+
+    def load_sharded(self, where: Path) -> None:
+        objects = self._objects()
+        dcp_state.load(where, objects["model"], objects["optimizer"])
+
+    def replicated(self, step: int, *, sharded: bool = False) -> dict[str, Any]:
+        """What rank 0 saves whole: all of it, or (``sharded``) all but the model and optimizer."""
         state: dict[str, Any] = {"step": step}
         for name, obj in self._objects().items():
-            if obj is not None:
+            if obj is not None and not (sharded and name in ("model", "optimizer")):
                 state[name] = obj.state_dict()
         return state
 

@@ -56,6 +56,10 @@ class PatrolConfig:
     evidence_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_EVIDENCE_DIR",
                                                                      "trainpatrol/evidence"))
     keep_checkpoints: int = 3
+    checkpoint_format: str = "auto"
+    """``torch``: the model and optimizer state, whole, in one file that rank 0 writes (replicated state:
+    DDP, one process). ``dcp``: every rank writes its shards through torch.distributed.checkpoint. ``auto``:
+    ``dcp`` when the model holds DTensors (FSDP2's ``fully_shard``, tensor parallel), else ``torch``."""
     guards: GuardConfig = field(default_factory=GuardConfig)
     guard_actions: dict[str, str] = field(default_factory=lambda: {
         "nonfinite_loss": "pause", "nonfinite_grad": "pause", "loss_spike": "pause", "grad_norm_explosion": "pause",
@@ -88,6 +92,9 @@ class PatrolConfig:
             raise ValueError(f"`PatrolConfig(grad_accum_steps={self.grad_accum_steps!r})` must be >= 1.")
         if not self.host_memory_limit_bytes >= 0:
             raise ValueError(f"`PatrolConfig(host_memory_limit_bytes={self.host_memory_limit_bytes!r})` must be >= 0.")
+        if self.checkpoint_format not in ("auto", "dcp", "torch"):
+            raise ValueError(f"`PatrolConfig(checkpoint_format={self.checkpoint_format!r})`: expected 'auto', 'dcp' "
+                             "or 'torch'.")
         if self.window < 2:
             raise ValueError(f"`PatrolConfig(window={self.window!r})` must be >= 2.")
         for guard, action in self.guard_actions.items():

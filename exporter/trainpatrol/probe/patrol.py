@@ -139,7 +139,8 @@ class Patrol:
         self._recorder.scaler = scaler
         self.optimizer = optimizer
         self._checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints, save_fn=save_fn)
-        self._training = TrainingState(self._stateful, self._loader_tracker, extra_state, load_extra_state)
+        self._training = TrainingState(self._stateful, self._loader_tracker, extra_state, load_extra_state,
+                                       checkpoint_format=cfg.checkpoint_format)
         self._evidence = EvidenceWriter(cfg.evidence_dir, identity.rank, self._device, history=self._history.dump,
                                         config=partial(config_dict, cfg),
                                         nvml=partial(fetch_nvml, cfg.agent_url, cfg.token))
