@@ -156,3 +156,16 @@ def test_a_command_already_done_is_not_carried_out_again(tmp_path: Path) -> None
     rig.agree(1, capture=9)
     rig.executor.execute(Agreement(2, {"capture": 9}, 0.0))
     assert rig.outcomes() == [("capture", "ok", 1)]
+
+
+def test_a_stop_whose_save_fails_still_stops_and_says_nothing_was_saved(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.agree(3, checkpoint=1)
+    rig.checkpointer.save_fn = Rig(tmp_path / "other", save_fails=True).checkpointer.save_fn
+    with pytest.raises(SystemExit) as exc:
+        rig.agree(9, stop=2)
+    assert exc.value.code == STOP_EXIT_CODE
+    assert rig.record.state == "stopped" and rig.outcomes()[-1] == ("stop", "failed", 9)
+    detail = rig.record.actions[-1].detail
+    assert "nothing was saved at step 9" in detail and "step-00000003" in detail
+    assert not (tmp_path / "ckpt" / "step-00000009").exists()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from resume_loops import config, meta, mlp, mlp_loss, nonfinite_tensors, pause_then_stop
+from resume_loops import config, meta, mlp, mlp_loss, nonfinite_tensors, pause_then_stop, run_until_stopped
 
+from servers import wait_for
 from trainpatrol import STOP_EXIT_CODE, Patrol
 from trainpatrol.control.checkpoint import Checkpointer
 
@@ -108,3 +110,56 @@ def test_restore_with_no_checkpoint_says_there_is_nothing_to_restore(tmp_path: P
     assert "nothing to restore" in restored.reason
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     patrol.close()
+
+
+def test_repeated_pauses_of_a_nonfinite_run_save_its_state_once(tmp_path: Path) -> None:
+    """An operator resumes a run whose weights are NaN again and again; each resume pauses again at once (the
+    guards are re-armed), and none of those pauses writes the non-finite state a second time."""
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "sick", skip_nonfinite_updates=False,
+                                                               guard_actions={"nonfinite_loss": "pause"}))
+    result: list[int | None] = []
+    t = threading.Thread(target=lambda: result.append(run_until_stopped(
+        lambda: train_mlp(patrol, model, opt, 10**6, nan_at=50, checkpoint_at=31))), daemon=True)
+    t.start()
+    for n in range(1, 7):
+        wait_for(lambda n=n: [a.action for a in patrol.actions].count("pause") == n and patrol.state == "paused",
+                 30, what=f"pause {n}")
+        patrol.request("resume", f"the operator, {n}th time")
+    wait_for(lambda: [a.action for a in patrol.actions].count("pause") == 7 and patrol.state == "paused", 30,
+             what="pause 7")
+    patrol.request("stop", "test over")
+    t.join(30)
+    assert result == [STOP_EXIT_CODE]
+    patrol.close()
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    assert [p.name for p in ckpt.complete()] == ["step-00000031", "step-00000050"]
+    pauses = [a for a in patrol.actions if a.action in ("pause", "stop")]
+    assert [a.outcome for a in pauses] == ["ok"] * 8
+    assert pauses[0].checkpoint.endswith("step-00000050")
+    for later in pauses[1:]:
+        assert later.checkpoint.endswith("step-00000050") and "not written again" in later.detail
+
+
+def test_pinned_checkpoints_are_capped_and_the_newest_finite_one_stays(tmp_path: Path) -> None:
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "cap", keep_pinned_checkpoints=2,
+                                                               guard_actions={}))
+    result: list[int | None] = []
+    t = threading.Thread(target=lambda: result.append(run_until_stopped(
+        lambda: train_mlp(patrol, model, opt, 10**6))), daemon=True)
+    t.start()
+    for n in range(1, 5):  # four pauses, each resumed after some training, then a stop: five pinned checkpoints
+        wait_for(lambda n=n: patrol.step_count >= 10 * n, 30, what="training")
+        patrol.request("pause", "the operator")
+        wait_for(lambda: patrol.state == "paused", 30, what="paused")
+        patrol.request("resume", "the operator")
+        wait_for(lambda: patrol.state == "running", 30, what="resumed")
+    wait_for(lambda: patrol.step_count >= 50, 30, what="training")
+    patrol.request("stop", "test over")
+    t.join(30)
+    assert result == [STOP_EXIT_CODE]
+    patrol.close()
+    pinned = [p.name for p in Checkpointer(tmp_path / "ckpt").complete() if meta(p)["pinned"]]
+    steps = [a.step for a in patrol.actions if a.action in ("pause", "stop")]
+    assert len(steps) == 5 and pinned == [f"step-{s:08d}" for s in steps[-2:]]

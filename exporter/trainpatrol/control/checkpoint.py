@@ -11,13 +11,16 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
   (the validation loss, for the checkpoint of the best one) and, for shards, ``format: dcp`` with the
   DCP directory, its files and their sizes; written last by rank 0, so a directory without it is incomplete and
   ignored, as is one whose recorded shard files are not all there.
-Rotation keeps the newest ``keep_last`` unpinned checkpoints and never removes a pinned one (a
-pause's), the newest finite one or the newest best one. ``restore("latest")`` takes the newest finite one.
+Rotation keeps the newest ``keep_last`` unpinned checkpoints and the newest ``keep_pinned`` pinned ones (a
+pause's or a stop's), and never removes the newest finite one or the newest best one. ``restore("latest")``
+takes the newest finite one. A checkpoint that would not fit in the free space (the size of the last one) is
+refused before anything is written, and a run whose state is still non-finite does not save it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -227,13 +230,42 @@ def describe_nonfinite(meta: dict[str, Any]) -> str:
     return f"{count} non-finite tensor{'s' if count != 1 else ''} ({shown})"
 
 
+def size_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 class Checkpointer:
-    def __init__(self, directory: str | Path, *, keep_last: int = 3, save_fn: SaveFn | None = None) -> None:
+    def __init__(self, directory: str | Path, *, keep_last: int = 3, keep_pinned: int = 8,
+                 save_fn: SaveFn | None = None) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.keep_pinned = keep_pinned
         self.save_fn = save_fn
         for tmp in remove_stale_temp_files(self.directory):
             log.warning("trainpatrol: removed %s, left by a checkpoint write that died", tmp)
+
+    def check_room(self) -> None:
+        """Refuse a checkpoint that would not fit: free space under the directory below the size of the last one.
+        Raises OSError (ENOSPC) saying so, before anything is written."""
+        last = self.latest()
+        if last is None:
+            return
+        need = size_on_disk(last)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise OSError(errno.ENOSPC, f"not enough free space for a checkpoint: {free / 2**20:.1f} MiB free, the "
+                          f"last checkpoint ({last.name}) took {need / 2**20:.1f} MiB; nothing was written",
+                          str(self.directory))
+
+    def incident(self) -> Path | None:
+        """The first complete checkpoint with non-finite state since the newest finite one, if any: where a run
+        whose state is still non-finite already saved it."""
+        first = None
+        for path in reversed(self.complete()):
+            if read_meta(path).get("finite", True) is not False:
+                break
+            first = path
+        return first
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step-{step:08d}"
@@ -334,7 +366,9 @@ class Checkpointer:
             if newest:
                 protected.add(newest[-1])
         unpinned = [p for p, m in metas if not m.get("pinned")]
-        for old in unpinned[: max(0, len(unpinned) - self.keep_last)]:
+        pinned = [p for p, m in metas if m.get("pinned")]
+        over = unpinned[: max(0, len(unpinned) - self.keep_last)] + pinned[: max(0, len(pinned) - self.keep_pinned)]
+        for old in over:
             if old not in protected:
                 shutil.rmtree(old, ignore_errors=True)
 

@@ -2,7 +2,8 @@
 
 Every rank runs the same code on the same agreed word, so every rank does the same thing at the
 same step. A pause waits outside any collective; while paused the ranks meet only in short,
-completed rounds, so NCCL timeouts cannot fire. A failed checkpoint keeps the run paused. A
+completed rounds, so NCCL timeouts cannot fire. A failed checkpoint keeps the run paused; a stop whose
+checkpoint failed stops all the same, saying that nothing was saved. A
 checkpoint records whether its state is finite; ``restore("latest")`` takes the newest finite one.
 """
 
@@ -77,9 +78,9 @@ class Executor:
                 self.record.action(cid, action, "skipped", agreed.step, f"covered by {primary} at the same step")
         trigger = self._trigger(commands[primary], primary)
         ok = self._act(primary, commands[primary], agreed, trigger)
-        if primary == "stop" and ok:
+        if primary == "stop":  # as the operator asked, also when its checkpoint failed (its detail says so)
             self._stop()
-        if primary == "pause" or (not ok and primary in ("checkpoint", "stop")):
+        if primary == "pause" or (not ok and primary == "checkpoint"):
             self._pause(agreed)
 
     # --- one action ---------------------------------------------------------------------------
@@ -91,6 +92,10 @@ class Executor:
         if action in ("checkpoint", "pause", "stop"):
             ok, path, detail, facts = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger,
                                                        write=f"{int(agreed.clock)}-{cid}")
+            if not ok and action == "stop":
+                last = self.checkpointer.latest()
+                detail += (f"; stopping all the same: nothing was saved at step {step}; the last complete "
+                           f"checkpoint is {last or 'none'}")
         if action == "empty_cache" and f.device.type == "cuda":
             torch.cuda.empty_cache()
         bundle = self.evidence.bundle(agreed.clock, step, action)
@@ -117,29 +122,44 @@ class Executor:
     def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any],
                     write: str) -> tuple[bool, str, str, dict[str, Any]]:
         """(ok, path, detail, facts): facts say, on rank 0, whether the state is finite and if it is the best.
-        ``write``: names this write the same on every rank (its shards' directory)."""
+        ``write``: names this write the same on every rank (its shards' directory). Every rank makes the same
+        collective calls whatever fails, so none waits for ever."""
         rank, checkpointer, training = self.facts.rank, self.checkpointer, self.training
-        detail = ""
         facts: dict[str, Any] = {}
         best, training.best_pending = training.best_pending, None
-        shards = training.sharded()  # the same on every rank, so every rank takes the same collectives
+        shards = training.sharded()  # the same on every rank
         shard_dir = f"{sharded.PREFIX}{write}"
-        ok, bad = self._save_shards(checkpointer.path_for(step) / shard_dir) if shards else (True, [])
-        if ok:
-            try:
-                replicated = training.replicated(step, sharded=shards) if rank == 0 else None
-                if replicated is not None and not shards:
-                    bad = ckpt.nonfinite_entries(replicated)
-                checkpointer.save_rank(step, rank, replicated, training.per_rank(step))
-            except Exception as exc:
-                ok, detail = False, f"rank {rank}: checkpoint failed: {exc}"
-                log.error("trainpatrol: %s; the previous checkpoint is intact", detail)
-        else:
-            detail = bad[0] if bad else "sharded checkpoint failed"
-        if rank == 0 and ok:
+        error, bad = "", []
+        state: dict[str, Any] = {}
+        replicated: dict[str, Any] | None = None
+        try:
+            if rank == 0:
+                checkpointer.check_room()
+            if shards:
+                state = training.sharded_state()
+                bad = ckpt.nonfinite_entries(state)  # this rank's shards
+            replicated = training.replicated(step, sharded=shards) if rank == 0 else None
+            if replicated is not None and not shards:
+                bad = ckpt.nonfinite_entries(replicated)
+        except Exception as exc:
+            error = f"rank {rank}: checkpoint not taken: {exc}"
+        if self.coordinator.all_true(not error):
+            finite = self.coordinator.all_true(not bad)
+            if not finite and not bad:
+                bad = ["(on another rank's shards)"]
+            incident = checkpointer.incident() if not finite and pinned else None
+            if incident is not None:  # a sick run paused again: its state was saved once, at the incident's start
+                detail = (f"state non-finite ({ckpt.describe_nonfinite({'nonfinite': bad})}), as in {incident.name}, "
+                          f"this incident's first checkpoint: not written again")
+                log.error("trainpatrol: %s", detail)
+                return True, str(incident), detail, {"finite": False, "same_incident_as": str(incident)}
+            error = self._write(step, shards, checkpointer.path_for(step) / shard_dir, state, replicated)
+        detail = error
+        if rank == 0 and not error:
             facts = {"finite": not bad, "nonfinite": bad[:ckpt.NONFINITE_NAMES_KEPT], "nonfinite_count": len(bad)}
             if best is not None:
                 facts["best"] = {"validation_loss": best}
+        ok = not error
         ok = self.coordinator.all_true(ok)
         path = str(checkpointer.path_for(step))
         if ok and rank == 0:
@@ -168,31 +188,19 @@ class Executor:
             log.error("trainpatrol: %s", detail)
         return True, path, detail, facts
 
-    def _save_shards(self, where: Path) -> tuple[bool, list[str]]:
-        """Every rank writes its shards of the model and optimizer (torch.distributed.checkpoint). Returns
-        (ok on every rank, the non-finite tensors of this rank's shards), or (False, [why]). Each rank makes
-        the same collective calls whatever fails, so none waits for ever."""
-        rank, error = self.facts.rank, ""
-        state: dict[str, Any] = {}
-        bad: list[str] = []
+    def _write(self, step: int, shards: bool, shard_dir: Path, state: dict[str, Any],
+               replicated: dict[str, Any] | None) -> str:
+        """Write this rank's part; returns what failed ("" when nothing did)."""
+        rank = self.facts.rank
         try:
-            state = self.training.sharded_state()
-            bad = ckpt.nonfinite_entries(state)
+            if shards:  # every rank writes its shards (DCP raises on every rank when one fails)
+                sharded.save(shard_dir, state)
+            self.checkpointer.save_rank(step, rank, replicated, self.training.per_rank(step))
         except Exception as exc:
-            error = f"rank {rank}: sharded state not taken: {exc}"
-        if not self.coordinator.all_true(not error):
-            return False, [error or "sharded state not taken on another rank"]
-        if not self.coordinator.all_true(not bad) and not bad:
-            bad = ["(on another rank's shards)"]
-        try:
-            sharded.save(where, state)
-        except Exception as exc:  # DCP raises on every rank when one fails
-            error = f"rank {rank}: sharded checkpoint failed: {exc}"
-        if error:
+            error = f"rank {rank}: checkpoint failed: {exc}"
             log.error("trainpatrol: %s; the previous checkpoint is intact", error)
-        if not self.coordinator.all_true(not error):
-            return False, [error or "sharded checkpoint failed on another rank"]
-        return True, bad
+            return error
+        return ""
 
     def _checkpoint_landmarks(self) -> dict[str, Any]:
         """The checkpoints a reader of the evidence wants next to the one just written."""

@@ -56,6 +56,10 @@ class PatrolConfig:
     evidence_dir: str = field(default_factory=lambda: os.environ.get("TRAINPATROL_EVIDENCE_DIR",
                                                                      "trainpatrol/evidence"))
     keep_checkpoints: int = 3
+    """Unpinned checkpoints kept (``checkpoint`` actions, new best losses); the newest finite one always stays."""
+    keep_pinned_checkpoints: int = 8
+    """Pinned checkpoints kept (each pause's and stop's), the oldest going first; the newest finite one always
+    stays. A run whose state is still non-finite writes none again (it points at the incident's first)."""
     checkpoint_format: str = "auto"
     """``torch``: the model and optimizer state, whole, in one file that rank 0 writes (replicated state:
     DDP, one process). ``dcp``: every rank writes its shards through torch.distributed.checkpoint. ``auto``:

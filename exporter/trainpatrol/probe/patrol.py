@@ -138,7 +138,8 @@ class Patrol:
                                       list(model.parameters()) if model is not None else [])
         self._recorder.scaler = scaler
         self.optimizer = optimizer
-        self._checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints, save_fn=save_fn)
+        self._checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints,
+                                          keep_pinned=cfg.keep_pinned_checkpoints, save_fn=save_fn)
         self._training = TrainingState(self._stateful, self._loader_tracker, extra_state, load_extra_state,
                                        checkpoint_format=cfg.checkpoint_format)
         self._evidence = EvidenceWriter(cfg.evidence_dir, identity.rank, self._device, history=self._history.dump,
