@@ -24,8 +24,8 @@ ALERT_PREFIX = "TrainPatrol"
 ALERTS: tuple[str, ...] = (
     "NonFiniteLoss", "NonFiniteGrad", "GradNormExplosion", "LossSpike", "LossStagnation",
     "ValLossDiverging", "MemoryFragmentationHigh", "AllocRetries", "OOMRisk", "DataLoaderBound",
-    "GPUUnderutilized", "RankStalled", "RankDown", "Straggler", "GPUXidError", "ThermalThrottle",
-    "EccUncorrectable", "RowRemapFailure", "AgentDown",
+    "GPUUnderutilized", "RankStalled", "RankDown", "Straggler", "CheckpointsBlockTraining", "GPUXidError",
+    "ThermalThrottle", "EccUncorrectable", "RowRemapFailure", "AgentDown",
 )
 """Alert names without the prefix, in the order they are rendered and documented."""
 
@@ -44,6 +44,7 @@ DEFAULT_FOR: dict[str, str] = {
     "RankStalled": "5m",
     "RankDown": "1m",
     "Straggler": "15m",
+    "CheckpointsBlockTraining": "0s",  # the window is already an hour
     "GPUXidError": "0s",
     "ThermalThrottle": "5m",
     "EccUncorrectable": "0s",
@@ -136,6 +137,9 @@ class Config:
     gpu_underutilized_window: str = "15m"
     straggler_ratio: float = 1.2
     """Straggler: the rank's mean step time over 5 m is this many times the run's median."""
+    checkpoint_blocked_ratio: float = 0.05
+    checkpoint_blocked_window: str = "1h"
+    """CheckpointsBlockTraining: checkpoints held training for more than this share of the window's wall time."""
 
     # Liveness.
     stall_factor: float = 20.0

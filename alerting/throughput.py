@@ -1,4 +1,4 @@
-"""Alerts on throughput: a starving data loader, idle GPUs and straggling ranks."""
+"""Alerts on throughput: a starving data loader, idle GPUs, straggling ranks and checkpoints that hold training."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def group(cfg: Config) -> Group:
     loader = f"{LOADER_WAIT_RANK_2M} > {num(cfg.loader_wait_ratio)}\n" + unless_halted(run_on, "2m")
     straggler = f"{STRAGGLER_RATIO} > {num(cfg.straggler_ratio)}\n" + unless_halted(run_on, "5m")
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
+    cb = cfg.checkpoint_blocked_window
     rules = (
         Alert(
             "DataLoaderBound", loader, "warning",
@@ -62,6 +63,14 @@ def group(cfg: Config) -> Group:
             "A rank is slower than the rest of its run.",
             f"{who} takes {VALUE} times the run's median step time (means over 5m; threshold "
             f"{num(cfg.straggler_ratio)}).",
+        ),
+        Alert(
+            "CheckpointsBlockTraining",
+            f"rate({s('trainpatrol_checkpoint_blocked_seconds_total')}[{cb}]) > {num(cfg.checkpoint_blocked_ratio)}",
+            "warning",
+            "Checkpoints hold training for too much of its time.",
+            f"{who} spent {PERCENT} of the last {cb} waiting for checkpoints (threshold "
+            f"{num(cfg.checkpoint_blocked_ratio * 100)}%).",
         ),
     )
     return Group("trainpatrol-throughput", rules)

@@ -102,6 +102,8 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "rank_state", "gauge", "", "1 for the rank's current control state.", "state"),
     _r(P + "actions_total", "counter", "", "Control actions carried out by the rank, by action and outcome.", "action", "outcome"),
     _r(P + "checkpoint_failures_total", "counter", "", "Checkpoint writes that failed and left the previous one in place."),
+    _r(P + "checkpoint_blocked_seconds_total", "counter", "seconds", "Training time spent waiting for checkpoints: a checkpoint action's staging in host memory (it is written in the background), a pause's or stop's whole write."),
+    _r(P + "checkpoint_write_seconds", "gauge", "seconds", "How long the last successful checkpoint took from its start until it was durable."),
     _r(P + "last_checkpoint_timestamp_seconds", "gauge", "seconds", "Unix time of the last successful checkpoint."),
     _r(P + "last_checkpoint_step", "gauge", "", "Step of the last successful checkpoint."),
     _r(P + "control_interval_steps", "gauge", "", "Steps between two control-word exchanges, agreed across ranks."),

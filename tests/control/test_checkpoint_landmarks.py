@@ -28,7 +28,13 @@ def train(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer, un
         opt.zero_grad()
 
 
+def durable(patrol: Patrol) -> None:
+    """A ``checkpoint`` action's state is written in the background: wait for it, as ``close()`` does."""
+    patrol._control.executor.wait_for_write()
+
+
 def evidence(patrol: Patrol) -> tuple[dict[str, object], str]:
+    durable(patrol)
     bundle = Path(patrol.actions[-1].evidence)
     return json.loads((bundle / "manifest.json").read_text()), (bundle / "report.html").read_text()
 
@@ -44,6 +50,7 @@ def test_the_best_validation_checkpoint_is_kept_and_named_when_validation_diverg
     patrol._commands.request("checkpoint", "TrainPatrolValLossDiverging", source="alertmanager",  # as the agent's
                              alert={"labels": {"alertname": "TrainPatrolValLossDiverging", "action": "checkpoint"}})
     train(patrol, model, opt, 56)
+    durable(patrol)
     ckpt = Checkpointer(tmp_path / "ckpt")
     assert [p.name for p in ckpt.complete()] == ["step-00000030", "step-00000055"]
     assert meta(ckpt.path_for(30))["best"] == {"validation_loss": 3.04}
@@ -136,6 +143,7 @@ def test_evidence_holds_learning_rates_guard_trips_and_validation_history(tmp_pa
             patrol.evaluate(1.0 / step)
     patrol.request("capture", "look")
     patrol.boundary()
+    durable(patrol)  # the capture is covered by the best-loss checkpoint of the same boundary
     bundle = Path(patrol.actions[-1].evidence)
     history = json.loads((bundle / "rank-00000" / "history.json").read_text())
     assert [r["learning_rate"] for r in history][:12] == [1e-2] * 5 + [5e-3] * 5 + [2.5e-3] * 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .commands import CommandBook
 from .coordinator import Agreement, Coordinator
 from .evidence_writer import EvidenceWriter
 from .run_record import RunRecord
+from .staging import Stager
 from .training_state import TrainingState
 
 log = logging.getLogger("trainpatrol")
@@ -56,6 +58,17 @@ class Executor:
         self._control_word, self._announce, self._context = control_word, announce, context
         self._rearm_guards = rearm_guards
         self._known: dict[int, dict[str, Any]] = {}
+        self._stager = Stager()
+        self._staged: tuple[int, Any, dict[str, Any], float] | None = None
+        """Rank 0's staged state of a ``checkpoint`` action, to be written in the background: (step, state, meta,
+        when the checkpoint began)."""
+        self._writer: threading.Thread | None = None
+
+    def wait_for_write(self) -> None:
+        """Until the checkpoint being written in the background (at most one) is durable or has failed."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
 
     # --- entry --------------------------------------------------------------------------------
     def execute(self, agreed: Agreement) -> None:
@@ -89,9 +102,13 @@ class Executor:
         record.state = {"pause": "pausing", "stop": "stopping"}.get(action, record.state)
         detail, path, ok = "", "", True
         facts: dict[str, Any] = {}
+        blocked_from = time.perf_counter()
         if action in ("checkpoint", "pause", "stop"):
+            # a checkpoint action returns to training once its state is staged; a pause or a stop reports ok
+            # only once its checkpoint is durable
             ok, path, detail, facts = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger,
-                                                       write=f"{int(agreed.clock)}-{cid}")
+                                                       write=f"{int(agreed.clock)}-{cid}",
+                                                       background=action == "checkpoint")
             if not ok and action == "stop":
                 last = self.checkpointer.latest()
                 detail += (f"; stopping all the same: nothing was saved at step {step}; the last complete "
@@ -116,15 +133,23 @@ class Executor:
                 detail = (detail + "; " if detail else "") + f"evidence manifest not written: {exc}"
                 log.error("trainpatrol: %s", detail)
         record.last_evidence = str(bundle)
-        record.action(cid, action, "ok" if ok else "failed", step, detail, path, str(bundle))
+        if self._staged is not None:  # rank 0 records the outcome once the state is durable
+            self._write_in_background(cid, str(bundle))
+        else:
+            record.action(cid, action, "ok" if ok else "failed", step, detail, path, str(bundle))
+        if action in ("checkpoint", "pause", "stop"):
+            record.checkpoint_blocked_seconds += time.perf_counter() - blocked_from
         return ok
 
-    def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any],
-                    write: str) -> tuple[bool, str, str, dict[str, Any]]:
+    def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any], write: str,
+                    background: bool = False) -> tuple[bool, str, str, dict[str, Any]]:
         """(ok, path, detail, facts): facts say, on rank 0, whether the state is finite and if it is the best.
-        ``write``: names this write the same on every rank (its shards' directory). Every rank makes the same
-        collective calls whatever fails, so none waits for ever."""
+        ``write``: names this write the same on every rank (its shards' directory). ``background``: rank 0
+        stages the replicated state in host memory and writes it after training resumes (not for shards).
+        Every rank makes the same collective calls whatever fails, so none waits for ever."""
         rank, checkpointer, training = self.facts.rank, self.checkpointer, self.training
+        self.wait_for_write()  # at most one checkpoint in flight
+        began = time.perf_counter()
         facts: dict[str, Any] = {}
         best, training.best_pending = training.best_pending, None
         shards = training.sharded()  # the same on every rank
@@ -132,6 +157,7 @@ class Executor:
         error, bad = "", []
         state: dict[str, Any] = {}
         replicated: dict[str, Any] | None = None
+        staged: Any = None
         try:
             if rank == 0:
                 checkpointer.check_room()
@@ -153,15 +179,23 @@ class Executor:
                           f"this incident's first checkpoint: not written again")
                 log.error("trainpatrol: %s", detail)
                 return True, str(incident), detail, {"finite": False, "same_incident_as": str(incident)}
-            error = self._write(step, shards, checkpointer.path_for(step) / shard_dir, state, replicated)
+            if background and not shards and replicated is not None:
+                try:  # the state waits in host memory; only this copy blocks training
+                    staged, replicated = self._stager.stage(replicated), None
+                except Exception as exc:
+                    error = f"rank {rank}: checkpoint not staged: {exc}"
+            error = error or self._write(step, shards, checkpointer.path_for(step) / shard_dir, state, replicated)
         detail = error
         if rank == 0 and not error:
             facts = {"finite": not bad, "nonfinite": bad[:ckpt.NONFINITE_NAMES_KEPT], "nonfinite_count": len(bad)}
             if best is not None:
                 facts["best"] = {"validation_loss": best}
-        ok = not error
-        ok = self.coordinator.all_true(ok)
+        ok = self.coordinator.all_true(not error)
         path = str(checkpointer.path_for(step))
+        if ok and staged is not None:
+            self._staged = (step, staged, {"world_size": self.facts.world_size, "pinned": pinned,
+                                           "run": self.facts.run, "reason": reason, **facts}, began)
+            return True, path, "writing in the background", facts
         if ok and rank == 0:
             try:
                 layout = {"format": "dcp", "dcp": shard_dir,
@@ -181,12 +215,42 @@ class Executor:
             self.record.checkpoint_failures += 1
             return False, "", detail or "checkpoint failed on another rank", {}
         self.record.checkpointed(path, step)
+        self.record.last_checkpoint_write_seconds = time.perf_counter() - began
         if facts.get("finite") is False:
             good = checkpointer.last_good()
             detail = (f"checkpoint holds {ckpt.describe_nonfinite(facts)}; restore('latest') passes over it; "
                       f"last good checkpoint: {good or 'none'}")
             log.error("trainpatrol: %s", detail)
         return True, path, detail, facts
+
+    def _write_in_background(self, cid: int, bundle: str) -> None:
+        """Rank 0 writes the staged state, commits the checkpoint and records the action's outcome, while training
+        goes on. A failure removes what was written: ``latest`` is never a half checkpoint."""
+        assert self._staged is not None
+        (step, staged, meta, began), self._staged = self._staged, None
+        checkpointer, record = self.checkpointer, self.record
+        path = checkpointer.path_for(step)
+
+        def write() -> None:
+            try:
+                ckpt.atomic_write(path / "state.pt", lambda f: torch.save(staged, f))
+                checkpointer.commit(step, meta)
+            except Exception as exc:
+                detail = f"rank 0: checkpoint failed: {exc}; the previous checkpoint is intact"
+                log.error("trainpatrol: %s", detail)
+                checkpointer.discard(step, 0)
+                checkpointer.discard_incomplete(step)
+                record.checkpoint_failures += 1
+                record.action(cid, "checkpoint", "failed", step, detail, "", bundle)
+                return
+            record.checkpointed(str(path), step)
+            record.last_checkpoint_write_seconds = time.perf_counter() - began
+            detail = "" if meta.get("finite", True) else \
+                f"checkpoint holds {ckpt.describe_nonfinite(meta)}; restore('latest') passes over it"
+            record.action(cid, "checkpoint", "ok", step, detail, str(path), bundle)
+
+        self._writer = threading.Thread(target=write, name="trainpatrol-checkpoint-writer", daemon=True)
+        self._writer.start()
 
     def _write(self, step: int, shards: bool, shard_dir: Path, state: dict[str, Any],
                replicated: dict[str, Any] | None) -> str:
@@ -259,6 +323,7 @@ class Executor:
     # --- restore ------------------------------------------------------------------------------
     def restore(self, path: str | Path) -> ckpt.Restored:
         """Loads the checkpoint into the training state; the caller continues counting from its step."""
+        self.wait_for_write()
         skipped: list[str] = []
         if str(path) == "latest":
             target, skipped = self.checkpointer.latest_finite()

@@ -22,6 +22,11 @@ class RunRecord:
         self.last_checkpoint = ""
         self.last_checkpoint_time = math.nan
         self.last_checkpoint_step = math.nan
+        self.checkpoint_blocked_seconds = 0.0
+        """Training time spent waiting for checkpoints (a background write's staging, a pause's or stop's whole
+        write)."""
+        self.last_checkpoint_write_seconds = math.nan
+        """From the start of the last successful checkpoint until it was durable."""
         self.last_evidence = ""
 
     def action(self, cid: int, action: str, outcome: str, step: int, detail: str = "", path: str = "",

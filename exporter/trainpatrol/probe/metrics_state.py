@@ -117,6 +117,8 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
         for outcome in ("ok", "failed", "skipped"):
             add("actions_total", record.action_counts.get((action, outcome), 0.0), action=action, outcome=outcome)
     add("checkpoint_failures_total", record.checkpoint_failures)
+    add("checkpoint_blocked_seconds_total", record.checkpoint_blocked_seconds)
+    add("checkpoint_write_seconds", record.last_checkpoint_write_seconds)
     add("last_checkpoint_timestamp_seconds", record.last_checkpoint_time)
     add("last_checkpoint_step", record.last_checkpoint_step)
     add("control_interval_steps", latest.interval_steps)

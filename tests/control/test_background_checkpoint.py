@@ -1,0 +1,73 @@
+"""A ``checkpoint`` action stages the state in host memory and returns to training; the state is written
+in the background, holds exactly the step it names, and the time training was held is exported."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from resume_loops import config, mlp
+from test_poisoned_state import train_mlp
+
+from trainpatrol import Patrol
+from trainpatrol.control import executor
+
+
+def value(patrol: Patrol, name: str) -> float:
+    snap = patrol._report.snapshot()
+    return float(next(s["value"] for s in snap["samples"] if s["name"] == f"trainpatrol_{name}"))
+
+
+def test_a_checkpoint_written_while_training_goes_on_holds_the_state_of_its_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written, release = threading.Event(), threading.Event()
+    atomic_write = executor.ckpt.atomic_write
+
+    def held_write(path: Path, write: Any) -> None:
+        if threading.current_thread().name == "trainpatrol-checkpoint-writer":
+            release.wait(30)  # the write waits until training has moved the weights on
+        atomic_write(path, write)
+        written.set()
+    monkeypatch.setattr(executor.ckpt, "atomic_write", held_write)
+
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "async", guard_actions={}))
+    train_mlp(patrol, model, opt, 10)
+    patrol.request("checkpoint", "test")
+    patrol.boundary()  # staged here; the loop goes on at once
+    at_step = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+    train_mlp(patrol, model, opt, 30)  # 20 steps while the checkpoint is being written
+    assert not any(torch.equal(at_step[k], v) for k, v in model.state_dict().items())
+    assert [a.action for a in patrol.actions] == []  # not durable yet: no outcome
+    release.set()
+    patrol._control.executor.wait_for_write()
+    assert [(a.action, a.outcome, a.step) for a in patrol.actions] == [("checkpoint", "ok", 10)]
+    blocked, took = value(patrol, "checkpoint_blocked_seconds_total"), value(patrol, "checkpoint_write_seconds")
+    assert 0 < blocked < took
+    patrol.close()
+
+    model, opt = mlp(seed=7)
+    fresh = Patrol(model=model, optimizer=opt, config=config(tmp_path, "async"))
+    assert fresh.restore("latest").step == 10
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, at_step[k]), k
+    assert all(torch.equal(v["exp_avg"], moments[k]) for k, v in opt.state_dict()["state"].items())
+    fresh.close()
+
+
+def test_a_stop_reports_ok_only_once_its_checkpoint_is_durable(tmp_path: Path) -> None:
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "sync", guard_actions={}))
+    train_mlp(patrol, model, opt, 10)
+    patrol.request("checkpoint", "first")
+    patrol.request("stop", "then stop")  # the stronger action covers the checkpoint and writes at once
+    with pytest.raises(SystemExit):
+        patrol.boundary()
+    stop = patrol.actions[-1]
+    assert (stop.action, stop.outcome) == ("stop", "ok")
+    assert (Path(stop.checkpoint) / "meta.json").is_file() and (Path(stop.checkpoint) / "state.pt").is_file()
+    patrol.close()
