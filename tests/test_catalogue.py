@@ -52,6 +52,7 @@ def test_every_rank_metric_is_pushed_by_a_patrol(tmp_path: Path) -> None:
     patrol.evaluate(0.5)
     patrol._latest.loss_scale = 1024.0  # set by a GradScaler (tested in test_patrol_values)
     patrol._record.last_checkpoint_time, patrol._record.last_checkpoint_step = 1.0, 2.0
+    patrol._record.last_checkpoint_write_seconds = 0.5
     snap = patrol._report.snapshot()
     pushed = {s["name"] for s in snap["samples"]} | {"trainpatrol_step_duration_seconds"}
     assert pushed == {m.name for m in RANK_METRICS}

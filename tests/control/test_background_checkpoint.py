@@ -34,7 +34,8 @@ def test_a_checkpoint_written_while_training_goes_on_holds_the_state_of_its_step
     monkeypatch.setattr(executor.ckpt, "atomic_write", held_write)
 
     model, opt = mlp()
-    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "async", guard_actions={}))
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "async", guard_actions={},
+                                                              background_checkpoints=True))
     train_mlp(patrol, model, opt, 10)
     patrol.request("checkpoint", "test")
     patrol.boundary()  # staged here; the loop goes on at once
@@ -70,4 +71,29 @@ def test_a_stop_reports_ok_only_once_its_checkpoint_is_durable(tmp_path: Path) -
     stop = patrol.actions[-1]
     assert (stop.action, stop.outcome) == ("stop", "ok")
     assert (Path(stop.checkpoint) / "meta.json").is_file() and (Path(stop.checkpoint) / "state.pt").is_file()
+    patrol.close()
+
+
+def test_a_background_write_that_fails_leaves_no_checkpoint_and_pauses_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    atomic_write = executor.ckpt.atomic_write
+
+    def full_disk(path: Path, write: Any) -> None:
+        if threading.current_thread().name == "trainpatrol-checkpoint-writer":
+            raise OSError(28, "No space left on device", str(path))
+        atomic_write(path, write)
+    monkeypatch.setattr(executor.ckpt, "atomic_write", full_disk)
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "fails", guard_actions={},
+                                                              background_checkpoints=True))
+    train_mlp(patrol, model, opt, 10)
+    patrol.request("checkpoint", "test")
+    patrol.boundary()
+    patrol._control.executor.wait_for_write()
+    (action, outcome, step), = [(a.action, a.outcome, a.step) for a in patrol.actions]
+    assert (action, outcome, step) == ("checkpoint", "failed", 10)
+    assert "No space left on device" in patrol.actions[0].detail
+    assert not (tmp_path / "ckpt" / "step-00000010").exists()
+    pause = patrol._commands.pending()["pause"]
+    assert pause["source"] == "checkpoint" and "checkpoint of step 10 failed" in pause["reason"]
     patrol.close()

@@ -29,8 +29,8 @@ def train(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer, un
 
 
 def durable(patrol: Patrol) -> None:
-    """A ``checkpoint`` action's state is written in the background: wait for it, as ``close()`` does."""
-    patrol._control.executor.wait_for_write()
+    """The report page is rendered in the background: wait for it, as ``close()`` does."""
+    patrol._control.executor.wait()
 
 
 def evidence(patrol: Patrol) -> tuple[dict[str, object], str]:

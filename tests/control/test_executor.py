@@ -45,6 +45,9 @@ class Evidence:
     def index(self, bundle: Path, manifest: dict[str, Any], trigger: dict[str, Any]) -> None:
         self.indexes.append((bundle.name, manifest))
 
+    def wait(self) -> None:
+        pass
+
 
 class Training:
     best_pending: float | None = None

@@ -44,6 +44,8 @@ class RankFacts:
     guard_actions: Mapping[str, str]
     pause_timeout_seconds: float
     pause_poll_seconds: float
+    background_saves: bool = False
+    """Whether a ``checkpoint`` action's state is written in the background (PatrolConfig.background_checkpoints)."""
 
 
 class Executor:
@@ -69,6 +71,11 @@ class Executor:
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+
+    def wait(self) -> None:
+        """Until the work left to threads is done: a checkpoint being written, a report being rendered."""
+        self.wait_for_write()
+        self.evidence.wait()
 
     # --- entry --------------------------------------------------------------------------------
     def execute(self, agreed: Agreement) -> None:
@@ -108,7 +115,8 @@ class Executor:
             # only once its checkpoint is durable
             ok, path, detail, facts = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger,
                                                        write=f"{int(agreed.clock)}-{cid}",
-                                                       background=action == "checkpoint")
+                                                       background=action == "checkpoint" and f.background_saves
+                                                       and self.checkpointer.save_fn is None)
             if not ok and action == "stop":
                 last = self.checkpointer.latest()
                 detail += (f"; stopping all the same: nothing was saved at step {step}; the last complete "
@@ -242,6 +250,8 @@ class Executor:
                 checkpointer.discard_incomplete(step)
                 record.checkpoint_failures += 1
                 record.action(cid, "checkpoint", "failed", step, detail, "", bundle)
+                # as a failed checkpoint at the boundary does, this one pauses the run (at the next boundary)
+                self.commands.request("pause", f"the checkpoint of step {step} failed: {exc}", source="checkpoint")
                 return
             record.checkpointed(str(path), step)
             record.last_checkpoint_write_seconds = time.perf_counter() - began
@@ -315,6 +325,7 @@ class Executor:
                 return
 
     def _stop(self) -> None:
+        self.wait()  # the process exits next
         self.record.state = "stopped"
         self._announce()
         log.warning("trainpatrol: run %s stopped; exiting with code %d", self.facts.run, STOP_EXIT_CODE)

@@ -60,6 +60,12 @@ class PatrolConfig:
     keep_pinned_checkpoints: int = 8
     """Pinned checkpoints kept (each pause's and stop's), the oldest going first; the newest finite one always
     stays. A run whose state is still non-finite writes none again (it points at the incident's first)."""
+    background_checkpoints: bool = False
+    """A ``checkpoint`` action (not a pause's or stop's) stages the replicated state in host memory kept for the
+    next one (pinned for GPU tensors: as much host memory as the state), returns to training and has rank 0
+    write it in the background; a failed write pauses the run at the next boundary. Off until
+    ``bench/checkpoint.py`` has measured it on a GPU (docs/benchmarks.md); sharded state and a ``save_fn`` are
+    always written at once."""
     checkpoint_format: str = "auto"
     """``torch``: the model and optimizer state, whole, in one file that rank 0 writes (replicated state:
     DDP, one process). ``dcp``: every rank writes its shards through torch.distributed.checkpoint. ``auto``:

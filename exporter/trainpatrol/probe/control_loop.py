@@ -39,7 +39,7 @@ class ControlLoop:
         self.commands, self.coordinator = commands, coordinator
         self.executor = Executor(
             RankFacts(cfg.run, identity.rank, identity.world_size, identity.device, cfg.guard_actions,
-                      cfg.pause_timeout_seconds, cfg.pause_poll_seconds),
+                      cfg.pause_timeout_seconds, cfg.pause_poll_seconds, cfg.background_checkpoints),
             checkpointer=checkpointer, coordinator=coordinator, commands=commands, record=record,
             evidence=evidence, training=training, control_word=self.control_word, announce=announce,
             context=context, rearm_guards=rearm_guards)

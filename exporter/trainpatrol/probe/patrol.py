@@ -330,7 +330,7 @@ class Patrol:
         if self.state == "closed":
             return
         self._recorder.catch_up(wait=True)
-        self._control.executor.wait_for_write()  # a checkpoint being written is made durable first
+        self._control.executor.wait()  # a checkpoint being written is durable, a report written, first
         if self.state not in ("stopped",):
             self._record.state = "closed"
         self._publisher.stop(final_push=True)

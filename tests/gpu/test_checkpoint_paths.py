@@ -1,0 +1,57 @@
+"""Checkpoints of a CUDA model on the GPU: a background checkpoint staged through pinned memory, and a
+torch.distributed.checkpoint (DCP) checkpoint, each restored into a fresh model exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainpatrol import Patrol, PatrolConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = torch.device("cuda", 0)
+
+
+def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 1)).to(DEV)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def train(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer, until: int) -> None:
+    while patrol.step_count < until:
+        patrol.boundary()
+        x = torch.randn(64, 256, device=DEV)
+        loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+        loss.backward()
+        patrol.step(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_a_cuda_checkpoint_restores_the_state_of_its_step(tmp_path: Path, fmt: str) -> None:
+    cfg = PatrolConfig(run=f"gpu-{fmt}", agent_url="http://127.0.0.1:9", embedded_agent=False,
+                       checkpoint_dir=str(tmp_path / "ckpt"), evidence_dir=str(tmp_path / "evidence"),
+                       push_interval_seconds=3600, guard_actions={}, checkpoint_format=fmt)
+    model, opt = build(0)
+    patrol = Patrol(model=model, optimizer=opt, config=cfg)
+    train(patrol, model, opt, 20)
+    patrol.request("checkpoint", "test")
+    while not patrol.actions and patrol._control.executor._writer is None:
+        train(patrol, model, opt, patrol.step_count + 1)
+    step = patrol.step_count
+    at_step = {k: v.clone() for k, v in model.state_dict().items()}
+    train(patrol, model, opt, step + 20)  # the weights move on while a background write runs
+    patrol.close()
+    assert [(a.action, a.outcome, a.step) for a in patrol.actions][:1] == [("checkpoint", "ok", step)]
+
+    model, opt = build(1)
+    fresh = Patrol(model=model, optimizer=opt, config=cfg)
+    assert fresh.restore("latest").step == step
+    for k, v in model.state_dict().items():
+        assert v.device == DEV and torch.equal(v, at_step[k]), k
+    train(fresh, model, opt, step + 5)  # the restored optimizer steps on the GPU
+    fresh.close()
