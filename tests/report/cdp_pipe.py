@@ -74,7 +74,7 @@ class Chromium:
                     self._cv.notify_all()
 
     def call(self, method: str, params: dict[str, Any] | None = None, session: str | None = None,
-             timeout: float = 30.0) -> dict[str, Any]:
+             timeout: float = 90.0) -> dict[str, Any]:
         with self._cv:
             self._next += 1
             mid = self._next
@@ -86,7 +86,9 @@ class Chromium:
         with self._cv:
             while mid not in self._replies:
                 left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"Chromium exited (code {self.proc.returncode}) before answering {method}")
+                if left <= 0:  # a loaded runner's Chromium can take tens of seconds to open its first tab
                     raise TimeoutError(f"Chromium did not answer {method} within {timeout} s")
                 self._cv.wait(left)
             reply = self._replies.pop(mid)
