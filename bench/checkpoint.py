@@ -1,7 +1,9 @@
 """What a checkpoint costs the training loop, side by side in one run: Patrol's ``checkpoint`` action (state
 staged in pinned host memory, written in the background), a synchronous ``torch.save`` (what a pause or stop
 writes), DCP's ``async_save`` (default, and with a pinned ``DefaultStager``), one pinned device-to-host copy of
-the state (the floor) and the disk's own sequential rate (``dd``, O_DIRECT).
+the state (the floor) and the disk's own sequential rate (``dd``, O_DIRECT); and the ways of writing the
+staged state on a thread while training runs (torch.save to a file object or a path, and Patrol's own
+``state.bin``), which is why Patrol writes its own file.
 
     python bench/checkpoint.py [--layers 24 --dim 1792] [--dir /path/on/the/disk] [--steps 20]
 
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 from overhead import GPT
 
 from trainpatrol import Patrol, PatrolConfig
+from trainpatrol.control import checkpoint as ckpt
 from trainpatrol.control.staging import Stager
 
 
@@ -99,6 +104,41 @@ def disk_rate(directory: Path, size: int) -> dict[str, Any]:
             "ok": done.returncode == 0}
 
 
+def _torch_save_file_object(state: Any, path: Path) -> None:
+    ckpt.atomic_write(path, lambda f: torch.save(state, f))
+
+
+def _torch_save_path(state: Any, path: Path) -> None:
+    torch.save(state, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _state_file(state: Any, path: Path) -> None:
+    path.mkdir()
+    ckpt.write_state(path, state)
+    shutil.rmtree(path)
+
+
+def compare_writers(loop: Loop, staged: Any, root: Path, steps: int) -> dict[str, Any]:
+    """Each way of writing the staged (pinned, host) state, on a thread while training steps run: how long
+    until durable, and the step time meanwhile (a writer that holds the GIL slows the training thread)."""
+    out: dict[str, Any] = {}
+    for name, write in (("torch_save_file_object", _torch_save_file_object),
+                        ("torch_save_path", _torch_save_path), ("trainpatrol_state_file", _state_file)):
+        target = root / f"writer-{name}"
+        start = time.perf_counter()
+        thread = threading.Thread(target=write, args=(staged, target))
+        thread.start()
+        during = loop.steps_while(thread.is_alive, 10_000)
+        thread.join()
+        out[name] = {"durable_s": round(time.perf_counter() - start, 3),
+                     "step_ms_while_writing": round(during * 1e3, 2)}
+        target.unlink(missing_ok=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -129,6 +169,7 @@ def main() -> None:
         stager.stage(state)
         copies.append(time.perf_counter() - start)
     out["pinned_copy_s"] = round(statistics.median(copies), 3)
+    out["writers"] = compare_writers(loop, stager.stage(state), root, args.steps)
     del stager
 
     start = time.perf_counter()
@@ -144,6 +185,7 @@ def main() -> None:
     patrol = Patrol(model=model, optimizer=opt, config=config)
     executor, loop.patrol = patrol._control.executor, patrol
     loop.steps(3)
+    out["step_ms_with_patrol"] = round(loop.steps(args.steps) * 1e3, 2)
     for attempt in ("first (allocates the pinned buffers)", "second"):
         patrol.request("checkpoint", f"bench, {attempt}")
         blocked, at_step = 0.0, None

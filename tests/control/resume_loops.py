@@ -11,6 +11,7 @@ import torch
 
 from servers import wait_for
 from trainpatrol import Patrol, PatrolConfig
+from trainpatrol.control import state_file
 
 TEXT = ("the quick brown fox jumps over the lazy dog while a patrol watches every step of the run; " * 40)
 VOCAB = sorted(set(TEXT))
@@ -99,7 +100,7 @@ def pause_then_stop(patrol: Patrol, fn: Any) -> int | None:
 
 
 def nonfinite_tensors(checkpoint: Path) -> list[str]:
-    state = torch.load(checkpoint / "state.pt", weights_only=False)
+    state = state_file.read(checkpoint / "state.bin")
     bad = [f"model:{k}" for k, v in state["model"].items() if not torch.isfinite(v).all()]
     for pid, s in state["optimizer"]["state"].items():
         bad += [f"optimizer:{pid}.{k}" for k, v in s.items()

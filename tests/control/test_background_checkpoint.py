@@ -70,7 +70,7 @@ def test_a_stop_reports_ok_only_once_its_checkpoint_is_durable(tmp_path: Path) -
         patrol.boundary()
     stop = patrol.actions[-1]
     assert (stop.action, stop.outcome) == ("stop", "ok")
-    assert (Path(stop.checkpoint) / "meta.json").is_file() and (Path(stop.checkpoint) / "state.pt").is_file()
+    assert (Path(stop.checkpoint) / "meta.json").is_file() and (Path(stop.checkpoint) / "state.bin").is_file()
     patrol.close()
 
 

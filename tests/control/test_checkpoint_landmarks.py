@@ -90,7 +90,7 @@ def test_a_failed_checkpoint_write_leaves_no_temporary_file(tmp_path: Path) -> N
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        atomic_write(tmp_path / "state.pt", fails)
+        atomic_write(tmp_path / "state.bin", fails)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -99,7 +99,7 @@ def test_temporary_files_of_a_write_that_died_are_removed_at_the_next_start(tmp_
     step.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = socket.gethostname()
-    died = step / f".state.pt.tmp-{host}-{int(dead.stdout)}"
+    died = step / f".state.bin.tmp-{host}-{int(dead.stdout)}"
     live = step / f".rank-00000.pt.tmp-{host}-{os.getpid()}"  # a write in progress in a live process
     old = step / ".rank-00001.pt.tmp-other-host-12"
     recent = step / ".rank-00002.pt.tmp-other-host-13"
@@ -120,9 +120,9 @@ def test_a_write_killed_mid_way_leaves_only_a_temp_file_that_the_next_start_remo
             "    f.write(b'half')\n"
             "    f.flush()\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n"
-            f"atomic_write(Path({str(ckpt / 'state.pt')!r}), write)\n")
+            f"atomic_write(Path({str(ckpt / 'state.bin')!r}), write)\n")
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
-    assert [p.name.split(".tmp-")[0] for p in ckpt.iterdir()] == [".state.pt"]
+    assert [p.name.split(".tmp-")[0] for p in ckpt.iterdir()] == [".state.bin"]
     Checkpointer(tmp_path / "ckpt")
     assert list(ckpt.iterdir()) == []
 

@@ -81,7 +81,7 @@ def test_pause_reaches_all_ranks_at_the_same_step_twenty_times(tmp_path: Path) -
     assert len(checkpoints) == 8  # the newest keep_pinned_checkpoints of the pauses' and the stop's
     for ckpt in checkpoints:
         assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "rank-00000.pt", "rank-00001.pt",
-                                                          "rank-00002.pt", "rank-00003.pt", "state.pt"]
+                                                          "rank-00002.pt", "rank-00003.pt", "state.bin"]
         assert json.loads((ckpt / "meta.json").read_text())["pinned"] is True
 
 

@@ -67,7 +67,7 @@ class Rig:
         def save(target: Path, state: dict[str, Any]) -> None:
             if save_fails:
                 raise OSError("disk full")
-            torch.save(state, target / "state.pt")
+            torch.save(state, target / "user-state.pt")
 
         self.checkpointer = Checkpointer(tmp / "ckpt", save_fn=save)
         self.commands = CommandBook("r", 0.0, on_request=lambda: None)

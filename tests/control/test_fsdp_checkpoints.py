@@ -16,6 +16,7 @@ import torch
 
 from servers import free_port, python_env
 from trainpatrol import STOP_EXIT_CODE
+from trainpatrol.control import state_file
 
 WORKER = Path(__file__).parent / "fsdp_worker.py"
 
@@ -59,8 +60,8 @@ def test_fsdp2_checkpoint_pause_stop_then_restore_continues_bit_for_bit(tmp_path
     assert meta["world_size"] == world and sorted(meta["shards"]) == sorted(
         [".metadata"] + [f"__{r}_0.distcp" for r in range(world)])
     assert [p.name for p in (ckpt / f"step-{stop:08d}").glob("dcp-*")] == [meta["dcp"]]
-    assert not (ckpt / f"step-{stop:08d}" / "state.pt").exists() or "model" not in torch.load(
-        ckpt / f"step-{stop:08d}" / "state.pt", weights_only=False)
+    assert not (ckpt / f"step-{stop:08d}" / "state.bin").exists() or "model" not in state_file.read(
+        ckpt / f"step-{stop:08d}" / "state.bin")
 
     assert run(tmp_path, world, ckpt, "restored", STEPS="30", RESTORE="1") == [0] * world
     ref, restored = records(tmp_path / "ref", "ref", world), records(tmp_path, "restored", world)

@@ -147,7 +147,7 @@ def test_failed_checkpoint_keeps_previous_and_stays_paused(tmp_path: Path) -> No
         # the next save goes to a full disk: its temp file is a link to /dev/full (ENOSPC)
         target = tmp_path / "ckpt" / "step-00000006"
         target.mkdir(parents=True)
-        temp_path(target / "state.pt").symlink_to("/dev/full")
+        temp_path(target / "state.bin").symlink_to("/dev/full")
         patrol.request("checkpoint", "second, disk full")
         result: list[int | None] = []
         t = threading.Thread(target=lambda: result.append(train(patrol, model, 10, losses)), daemon=True)
@@ -158,7 +158,7 @@ def test_failed_checkpoint_keeps_previous_and_stays_paused(tmp_path: Path) -> No
         assert patrol.step_count == 6
         assert Checkpointer(tmp_path / "ckpt").latest() == good
         assert sorted(p.name for p in good.iterdir()) == before
-        assert not (target / "meta.json").exists() and not (target / "state.pt").exists()
+        assert not (target / "meta.json").exists() and not (target / "state.bin").exists()
         wait_for(lambda: run_state(url, "full") == "paused", 10, what="agent sees paused")
         status = http_json(f"{url}/v1/runs/full")
         assert status["last_action"]["outcome"] == "failed"
@@ -201,7 +201,7 @@ def test_user_save_fn_and_extra_state_round_trip(tmp_path: Path) -> None:
     patrol.close()
     assert saved == [tmp_path / "ckpt" / "step-00000004"]
     assert torch.load(saved[0] / "custom.pt", weights_only=False)["custom"] is True
-    assert not (saved[0] / "state.pt").exists()  # the user's saver replaces the default one
+    assert not (saved[0] / "state.bin").exists()  # the user's saver replaces the default one
     restored: list[dict[str, Any]] = []
     patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn", patrol_args={"load_extra_state": restored.append})
     assert patrol.restore(saved[0]).step == 4

@@ -20,30 +20,37 @@ def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
+def one_step(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(64, 256, device=DEV)
+    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+    loss.backward()
+    patrol.step(loss)
+    opt.step()
+    opt.zero_grad()
+
+
 def train(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer, until: int) -> None:
     while patrol.step_count < until:
         patrol.boundary()
-        x = torch.randn(64, 256, device=DEV)
-        loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
-        loss.backward()
-        patrol.step(loss)
-        opt.step()
-        opt.zero_grad()
+        one_step(patrol, model, opt)
 
 
 @pytest.mark.parametrize("fmt", ["torch", "dcp"])
 def test_a_cuda_checkpoint_restores_the_state_of_its_step(tmp_path: Path, fmt: str) -> None:
     cfg = PatrolConfig(run=f"gpu-{fmt}", agent_url="http://127.0.0.1:9", embedded_agent=False,
                        checkpoint_dir=str(tmp_path / "ckpt"), evidence_dir=str(tmp_path / "evidence"),
-                       push_interval_seconds=3600, guard_actions={}, checkpoint_format=fmt)
+                       push_interval_seconds=3600, guard_actions={}, checkpoint_format=fmt,
+                       background_checkpoints=fmt == "torch")
     model, opt = build(0)
     patrol = Patrol(model=model, optimizer=opt, config=cfg)
     train(patrol, model, opt, 20)
     patrol.request("checkpoint", "test")
-    while not patrol.actions and patrol._control.executor._writer is None:
-        train(patrol, model, opt, patrol.step_count + 1)
-    step = patrol.step_count
-    at_step = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(50):  # the boundary where the request is agreed on takes the state of the step before it
+        step, at_step = patrol.step_count, {k: v.clone() for k, v in model.state_dict().items()}
+        patrol.boundary()
+        if patrol.actions or patrol._control.executor._writer is not None:
+            break
+        one_step(patrol, model, opt)
     train(patrol, model, opt, step + 20)  # the weights move on while a background write runs
     patrol.close()
     assert [(a.action, a.outcome, a.step) for a in patrol.actions][:1] == [("checkpoint", "ok", step)]

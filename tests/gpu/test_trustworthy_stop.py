@@ -27,6 +27,7 @@ from overhead import GPT
 
 from servers import wait_for
 from trainpatrol import STOP_EXIT_CODE, Patrol, PatrolConfig
+from trainpatrol.control import state_file
 from trainpatrol.control.checkpoint import Checkpointer
 
 DEV = torch.device("cuda", 0)
@@ -105,7 +106,7 @@ def pause_then_stop(patrol: Patrol, fn: Any) -> int:
 
 
 def nonfinite(checkpoint: Path) -> int:
-    state = torch.load(checkpoint / "state.pt", weights_only=False)
+    state = state_file.read(checkpoint / "state.bin")
     tensors = list(state["model"].values()) + [v for s in state["optimizer"]["state"].values() for v in s.values()
                                                 if v.is_floating_point()]
     return sum(not bool(torch.isfinite(t).all()) for t in tensors)

@@ -148,5 +148,5 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_anything_is_written(t
     assert "not enough free space for a checkpoint" in detail and "nothing was written" in detail, detail
     first = f"step-{found['actions'][0]['step']:08d}"
     assert found["complete"] == [first]
-    assert found["left"] == sorted([first, f"{first}/meta.json", f"{first}/rank-00000.pt", f"{first}/state.pt"])
+    assert found["left"] == sorted([first, f"{first}/meta.json", f"{first}/rank-00000.pt", f"{first}/state.bin"])
     assert found["free"][1] == found["free"][0]  # the refused checkpoint took no space

@@ -1,9 +1,10 @@
 """Atomic checkpoints: temp file, fsync, rename; a failed write leaves the previous one intact.
 
 Layout of one checkpoint, ``<dir>/step-00001234/``:
-- ``state.pt``: replicated state (model, optimizer, scheduler, GradScaler), written by rank 0 once;
+- ``state.bin``: replicated state (model, optimizer, scheduler, GradScaler), written by rank 0 once
+  (``control/state_file.py``; checkpoints of earlier versions hold ``state.pt``, torch.save, still read);
 - ``dcp-<write>/``: for a sharded model (``control/sharded.py``), the model's and optimizer's shards, which
-  every rank writes through torch.distributed.checkpoint; ``state.pt`` then holds the rest;
+  every rank writes through torch.distributed.checkpoint; ``state.bin`` then holds the rest;
 - ``rank-00003.pt``: per-rank state (RNG states of python, numpy, torch and CUDA; the user's extra
   state), one per rank;
 - ``meta.json``: step, world size, time, reason, ``pinned``, ``finite`` (whether every floating-point
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import sharded
+from . import sharded, state_file
 
 log = logging.getLogger("trainpatrol")
 STALE_TEMP_SECONDS = 3600.0
@@ -82,7 +83,7 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """Write to a temporary file, fsync, rename; on any failure the temporary file is removed.
 
     A failed write raises OSError with its errno and the path (``[Errno 28] No space left on
-    device: '.../state.pt'``), also where the writer (torch.save) reported it as something else."""
+    device: '.../state.bin'``), also where the writer (torch.save) reported it as something else."""
     tmp = temp_path(path)
     kept: _KeepsWriteErrors | None = None
     try:
@@ -103,6 +104,11 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
         if isinstance(cause, OSError) and not (isinstance(exc, OSError) and exc.filename):
             raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from exc
         raise
+
+
+def write_state(directory: Path, replicated: dict[str, Any]) -> None:
+    """The replicated state, atomically, as ``state.bin``."""
+    atomic_write(directory / state_file.NAME, lambda f: state_file.write(replicated, f))
 
 
 def rng_state() -> dict[str, Any]:
@@ -281,7 +287,7 @@ class Checkpointer:
                 if self.save_fn is not None:
                     self.save_fn(target, replicated)
                 else:
-                    atomic_write(target / "state.pt", lambda f: torch.save(replicated, f))
+                    write_state(target, replicated)
             atomic_write(target / f"rank-{rank:05d}.pt", lambda f: torch.save(per_rank, f))
         except BaseException:
             with contextlib.suppress(OSError):
@@ -297,7 +303,7 @@ class Checkpointer:
         target = self.path_for(step)
         if (target / "meta.json").exists():
             return
-        names = [f"rank-{rank:05d}.pt"] + (["state.pt"] if rank == 0 else [])
+        names = [f"rank-{rank:05d}.pt"] + ([state_file.NAME] if rank == 0 else [])
         for name in names:
             (target / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
@@ -384,8 +390,12 @@ def load(path: Path, rank: int, map_location: str | torch.device = "cpu") -> tup
     if gone:
         raise FileNotFoundError(f"Checkpoint {str(path)!r} is incomplete: shard files missing or cut short: "
                                 f"{', '.join(gone)}.")
-    replicated = torch.load(path / "state.pt", map_location=map_location, weights_only=False) \
-        if (path / "state.pt").is_file() else {}
+    if (path / state_file.NAME).is_file():
+        replicated = state_file.read(path / state_file.NAME, map_location)
+    elif (path / "state.pt").is_file():  # written by an earlier version
+        replicated = torch.load(path / "state.pt", map_location=map_location, weights_only=False)
+    else:
+        replicated = {}
     rank_file = path / f"rank-{rank:05d}.pt"
     per_rank = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else {}
     return meta, replicated, per_rank

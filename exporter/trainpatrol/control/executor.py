@@ -241,7 +241,7 @@ class Executor:
 
         def write() -> None:
             try:
-                ckpt.atomic_write(path / "state.pt", lambda f: torch.save(staged, f))
+                ckpt.write_state(path, staged)
                 checkpointer.commit(step, meta)
             except Exception as exc:
                 detail = f"rank 0: checkpoint failed: {exc}; the previous checkpoint is intact"

@@ -68,7 +68,7 @@ class Patrol:
         extra_state: Returns this rank's own state to checkpoint (counters, a sampler's offset).
         load_extra_state: Takes that state back in ``restore``.
         save_fn: ``save_fn(directory, state)`` writes the model/optimizer/scheduler/scaler state in place of
-            ``state.pt`` (rank 0 only); ``restore`` does not read it back.
+            ``state.bin`` (rank 0 only); ``restore`` does not read it back.
         **overrides: ``PatrolConfig`` fields, set over ``config``.
 
     Raises:

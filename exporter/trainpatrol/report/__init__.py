@@ -7,6 +7,6 @@ matplotlib (the ``report`` extra); ``trainpatrol report DIR`` regenerates the pa
 
 from __future__ import annotations
 
-from .page import REPORT_NAME, write_report, write_report_quietly
+from .page import REPORT_NAME, write_report
 
-__all__ = ["REPORT_NAME", "write_report", "write_report_quietly"]
+__all__ = ["REPORT_NAME", "write_report"]

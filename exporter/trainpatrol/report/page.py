@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from .incident import Incident, read_incident
 from .runbook import find_runbooks
 from .timeline import PANELS, render_svg
 
-log = logging.getLogger("trainpatrol")
 REPORT_NAME = "report.html"
 SECTIONS = (("happened", "What happened"), ("next", "What to do next"), ("timeline", "Timeline"),
             ("loader", "DataLoader"), ("gpu", "GPU readings"), ("memory", "Memory"), ("stacks", "Stacks"),
@@ -85,12 +83,3 @@ def write_report(bundle: Path, *, runbooks: Path | None = None) -> Path:
     tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, target)
     return target
-
-
-def write_report_quietly(bundle: Path) -> Path | None:
-    """``write_report`` for the training process: a failure is logged, never raised into the run."""
-    try:
-        return write_report(bundle)
-    except Exception as exc:
-        log.warning("trainpatrol: report for %s not written: %s", bundle, exc)
-        return None

@@ -1,0 +1,109 @@
+"""The replicated state on disk (``state.bin``): a pickled skeleton, then every tensor's bytes in one run.
+
+The tensors' bytes go out in 64 MiB writes straight from their (staged, pinned) host memory; a file write
+releases the GIL, so a background checkpoint does not hold the training thread up, and nothing is
+serialised on the way (torch.save through a file object copies each storage into Python bytes first).
+Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (pickle: the state with each
+tensor replaced by a ``TensorRef``, and each tensor's dtype, shape, offset and size), then the data,
+starting at a multiple of 4 KiB. Read back with ``read``; checkpoints older than this format hold
+``state.pt`` (torch.save) and ``checkpoint.load`` still reads those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
+
+import torch
+
+MAGIC = b"TPSTATE1"
+NAME = "state.bin"
+CHUNK = 64 << 20
+ALIGN = 64
+
+
+class TensorRef(NamedTuple):
+    position: int
+
+
+class _Entry(NamedTuple):
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach())
+        return TensorRef(len(tensors) - 1)
+    if isinstance(value, dict):
+        return type(value)((k, _strip(v, tensors)) for k, v in value.items())
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        items = [_strip(v, tensors) for v in value]
+        return items if isinstance(value, list) else type(value)(items)
+    return value
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, TensorRef):
+        return tensors[value.position]
+    if isinstance(value, dict):
+        return type(value)((k, _fill(v, tensors)) for k, v in value.items())
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        items = [_fill(v, tensors) for v in value]
+        return items if isinstance(value, list) else type(value)(items)
+    return value
+
+
+def _memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy (valid while ``t`` lives)."""
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+def write(state: Any, f: BinaryIO) -> None:
+    """Write ``state`` (nested dicts, lists and tuples of tensors and picklable values) to ``f``."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(state, tensors)
+    entries, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries.append(_Entry(str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    header = pickle.dumps((skeleton, entries), protocol=5)
+    start = -(-(len(MAGIC) + 8 + len(header)) // 4096) * 4096
+    f.write(MAGIC + struct.pack("<Q", len(header)) + header + bytes(start - len(MAGIC) - 8 - len(header)))
+    written = 0
+    for t, entry in zip(tensors, entries, strict=True):
+        if entry.offset > written:
+            f.write(bytes(entry.offset - written))
+        host = t.contiguous().cpu() if t.device.type != "cpu" or not t.is_contiguous() else t
+        data = _memory(host)
+        for i in range(0, len(data), CHUNK):
+            f.write(data[i:i + CHUNK])
+        written = entry.offset + entry.nbytes
+
+
+def read(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """The state ``write`` wrote to ``path``, its tensors on ``map_location``."""
+    with open(path, "rb", buffering=0) as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ValueError(f"{str(path)!r} is not a trainpatrol state file")
+        (length,) = struct.unpack("<Q", f.read(8))
+        skeleton, entries = pickle.loads(f.read(length))
+        start = -(-(len(MAGIC) + 8 + length) // 4096) * 4096
+        size = max((e.offset + e.nbytes for e in entries), default=0)
+        data = torch.empty(size, dtype=torch.uint8)
+        view, done = _memory(data), 0
+        f.seek(start)
+        while done < size:
+            n = f.readinto(view[done:done + CHUNK])
+            if not n:
+                raise ValueError(f"{str(path)!r} is cut short: {done} of {size} bytes of tensor data")
+            done += n
+    tensors = [data[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).reshape(e.shape)
+               .to(map_location) for e in entries]
+    return _fill(skeleton, tensors)
