@@ -325,7 +325,7 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
     config = PatrolConfig(run=args.run, agent_url=agent_url, checkpoint_dir=str(work / "checkpoints"),
                           evidence_dir=str(work / "evidence"), memory_reader=allocator,
                           memory_interval_seconds=0.2, push_interval_seconds=push_interval,
-                          embedded_agent=not token)
+                          embedded_agent=not token, checkpoint_every_steps=args.checkpoint_every)
     if token:
         config.token = token
     if guard_actions is not None:
@@ -366,9 +366,6 @@ def _train(args: argparse.Namespace, inject: str, agent_url: str, *, token: str 
                 sched.step()
                 if step % args.eval_every == 0:
                     patrol.evaluate(_validate(model, held_out, device))
-                if args.checkpoint_every and step % args.checkpoint_every == 0:
-                    patrol.request("checkpoint", f"periodic checkpoint every {args.checkpoint_every} steps",
-                                   source="demo")
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
                 if not args.quiet and time.monotonic() - last_print > 1.0:

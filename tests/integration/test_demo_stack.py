@@ -73,7 +73,7 @@ def test_demo_stack_pauses_on_the_prometheus_alert_and_resumes(tmp_path: Path) -
     fired = sorted(set(re.findall(r"alert fired: (\w+) \(firing", out)))
     seen = f"bundles (step, source): {bundles}; alerts fired: {fired}"
     assert any(s < 200 for s, _ in bundles), seen
-    assert all(src in ("demo", "best_validation_loss") for s, src in bundles if s < 200), seen
+    assert all(src in ("periodic", "best_validation_loss") for s, src in bundles if s < 200), seen
     assert fired in (["TrainPatrolGradNormExplosion"], ["TrainPatrolGradNormExplosion", "TrainPatrolLossSpike"]), seen
 
     # the stack is gone

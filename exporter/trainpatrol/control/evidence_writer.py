@@ -1,19 +1,22 @@
 """Writes one rank's part of an evidence bundle, and on rank 0 its index (manifest and report).
 
-The report page draws a timeline with matplotlib, which takes a second or more of Python: it is rendered
-by a child process (``trainpatrol report``), one at a time, so neither the training thread nor its GIL
-waits for it (``wait`` does, before a stop's exit). A report that fails is logged, never raised.
+The report page draws a timeline with matplotlib, which takes a second or more of Python: a thread hands the
+bundles, one at a time and in order, to a child process (``trainpatrol report``), so neither the training
+thread nor its GIL waits for them (``wait`` does, before a stop's exit). A report that fails is logged, never
+raised.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -28,7 +31,8 @@ class EvidenceWriter:
                  nvml: Callable[[], Any]) -> None:
         self._directory, self._rank, self._device = Path(directory), rank, device
         self._history, self._config, self._nvml = history, config, nvml
-        self._report: tuple[Path, subprocess.Popen[bytes], IO[bytes]] | None = None
+        self._queue: queue.Queue[Path] = queue.Queue()
+        self._renderer: threading.Thread | None = None
 
     def bundle(self, clock: float, step: int, action: str) -> Path:
         return self._directory / bundle_name(clock, step, action)
@@ -40,26 +44,35 @@ class EvidenceWriter:
 
     def index(self, bundle: Path, manifest: dict[str, Any], trigger: dict[str, Any]) -> None:
         write_manifest(bundle, manifest, trigger)
-        self.wait()
-        errors = tempfile.TemporaryFile()  # noqa: SIM115 -- kept until wait(); a file, so a chatty child never blocks
-        try:
-            renderer = subprocess.Popen([sys.executable, "-m", "trainpatrol", "report", str(bundle)],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
-                                        close_fds=True)
-        except OSError as exc:
-            errors.close()
-            log.warning("trainpatrol: report for %s not written: %s", bundle, exc)
-            return
-        self._report = (bundle, renderer, errors)
+        if self._renderer is None:
+            self._renderer = threading.Thread(target=self._render_queued, name="trainpatrol-report", daemon=True)
+            self._renderer.start()
+        self._queue.put(bundle)
 
     def wait(self) -> None:
-        """Until the report being rendered is written."""
-        if self._report is None:
+        """Until every report asked for is written."""
+        self._queue.join()
+
+    def _render_queued(self) -> None:
+        while True:
+            bundle = self._queue.get()
+            try:
+                _render(bundle)
+            finally:
+                self._queue.task_done()
+
+
+def _render(bundle: Path) -> None:
+    """``trainpatrol report BUNDLE`` in a child process; this thread only waits for it (without the GIL)."""
+    with tempfile.TemporaryFile() as errors:  # a file, not a pipe: a chatty child never blocks on it
+        try:
+            code = subprocess.run([sys.executable, "-m", "trainpatrol", "report", str(bundle)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors, close_fds=True,
+                                  check=False).returncode
+        except OSError as exc:
+            log.warning("trainpatrol: report for %s not written: %s", bundle, exc)
             return
-        (bundle, renderer, errors), self._report = self._report, None
-        with errors:
-            if renderer.wait() != 0:
-                errors.seek(max(0, errors.seek(0, 2) - 2000))
-                last = errors.read().decode(errors="replace").strip().splitlines()[-1:]
-                log.warning("trainpatrol: report for %s not written: %s", bundle,
-                            last[0] if last else f"exit {renderer.returncode}")
+        if code != 0:
+            errors.seek(max(0, errors.seek(0, 2) - 2000))
+            last = errors.read().decode(errors="replace").strip().splitlines()[-1:]
+            log.warning("trainpatrol: report for %s not written: %s", bundle, last[0] if last else f"exit {code}")

@@ -63,9 +63,17 @@ class PatrolConfig:
     background_checkpoints: bool = False
     """A ``checkpoint`` action (not a pause's or stop's) stages the replicated state in host memory kept for the
     next one (pinned for GPU tensors: as much host memory as the state), returns to training and has rank 0
-    write it in the background; a failed write pauses the run at the next boundary. Off until
-    ``bench/checkpoint.py`` has measured it on a GPU (docs/benchmarks.md); sharded state and a ``save_fn`` are
-    always written at once."""
+    write it in the background; a failed write pauses the run at the next boundary. Off by default because the
+    pinned copy takes as much host memory as the state for the Patrol's lifetime (84 GB for a 7B model with
+    AdamW); docs/benchmarks.md has what it saves. Sharded state and a ``save_fn`` are always written at once."""
+    checkpoint_every_steps: int = 0
+    """A ``checkpoint`` every this many optimizer steps (0: none). Periodic checkpoints give a finite state to fall
+    back to when the optimizer cannot skip a non-finite step on the device (a foreach or plain AdamW); they are off
+    by default because a run usually has its own (the framework's) and each one costs disk (``keep_checkpoints``
+    of them stay) and, unless ``background_checkpoints``, a synchronous write."""
+    checkpoint_every_seconds: float = 0.0
+    """A ``checkpoint`` once this many seconds have passed since the last periodic one (0: none); rank 0 asks,
+    every rank takes it at the same step."""
     checkpoint_format: str = "auto"
     """``torch``: the model and optimizer state, whole, in one file that rank 0 writes (replicated state:
     DDP, one process). ``dcp``: every rank writes its shards through torch.distributed.checkpoint. ``auto``:
@@ -102,6 +110,9 @@ class PatrolConfig:
             raise ValueError(f"`PatrolConfig(grad_accum_steps={self.grad_accum_steps!r})` must be >= 1.")
         if not self.host_memory_limit_bytes >= 0:
             raise ValueError(f"`PatrolConfig(host_memory_limit_bytes={self.host_memory_limit_bytes!r})` must be >= 0.")
+        if self.checkpoint_every_steps < 0 or not self.checkpoint_every_seconds >= 0:
+            raise ValueError(f"`PatrolConfig(checkpoint_every_steps={self.checkpoint_every_steps!r}, "
+                             f"checkpoint_every_seconds={self.checkpoint_every_seconds!r})` must be >= 0.")
         if self.checkpoint_format not in ("auto", "dcp", "torch"):
             raise ValueError(f"`PatrolConfig(checkpoint_format={self.checkpoint_format!r})`: expected 'auto', 'dcp' "
                              "or 'torch'.")

@@ -29,6 +29,26 @@ def guard_trips(commands: CommandBook, guard_actions: dict[str, str]) -> Callabl
     return trip
 
 
+class PeriodicCheckpoints:
+    """When rank 0 asks for the next periodic checkpoint: every ``steps`` optimizer steps, or once ``seconds``
+    have passed since the last one."""
+
+    def __init__(self, steps: int, seconds: float) -> None:
+        self._steps, self._seconds = steps, seconds
+        self._last_step, self._last_time = 0, time.perf_counter()
+
+    def due(self, step: int, now: float) -> str:
+        """Why a checkpoint is due at ``step`` ("" when none is)."""
+        if self._steps and step - self._last_step >= self._steps:
+            why = f"periodic checkpoint every {self._steps} steps"
+        elif self._seconds and now - self._last_time >= self._seconds:
+            why = f"periodic checkpoint every {self._seconds:g} s"
+        else:
+            return ""
+        self._last_step, self._last_time = step, now
+        return why
+
+
 class ControlLoop:
     def __init__(self, cfg: PatrolConfig, identity: Identity, recorder: StepRecorder, *, commands: CommandBook,
                  coordinator: Coordinator, record: RunRecord, checkpointer: Checkpointer, evidence: EvidenceWriter,
@@ -43,6 +63,8 @@ class ControlLoop:
             checkpointer=checkpointer, coordinator=coordinator, commands=commands, record=record,
             evidence=evidence, training=training, control_word=self.control_word, announce=announce,
             context=context, rearm_guards=rearm_guards)
+        self._periodic = PeriodicCheckpoints(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds) \
+            if identity.rank == 0 and (cfg.checkpoint_every_steps or cfg.checkpoint_every_seconds) else None
         self.boundary_driven = False
         """Whether the caller runs ``boundary()`` (the loader wrapper, a framework callback, a loop of its own);
         until then Patrol acts from its hook after ``optimizer.step()``."""
@@ -76,6 +98,10 @@ class ControlLoop:
         the actions' is not."""
         start = time.perf_counter()
         recorder = self._recorder
+        if self._periodic is not None:
+            reason = self._periodic.due(recorder.totals.steps, start)
+            if reason:
+                self.commands.request("checkpoint", reason, source="periodic")
         agreed = self._exchange()
         recorder.probe_since_step += time.perf_counter() - start
         if agreed is not None and agreed.commands:
