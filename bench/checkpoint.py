@@ -206,6 +206,7 @@ def main() -> None:
             "step_ms_while_writing": round(during * 1e3, 2), "outcome": patrol.actions[-1].outcome}
     loop.patrol = None
     patrol.close()
+    out["disk_after_patrol"] = disk_rate(root, size)  # a cloud disk can slow down after sustained writes
     torch.manual_seed(1)
     fresh = GPT(args.layers, args.dim, max(1, args.dim // 128), seq=args.seq).to(device)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4, fused=device.type == "cuda")
