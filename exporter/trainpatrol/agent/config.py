@@ -105,8 +105,15 @@ class AgentConfig:
     """Ours: a request's body must be in this long after its headers."""
     max_header_bytes: int = 65_536
     """uvicorn's ``h11_max_incomplete_event_size``: unfinished headers past it are answered 400."""
-    keep_alive_seconds: float = 5.0
-    """uvicorn's ``timeout_keep_alive`` (whole seconds): an idle connection after an answer is closed."""
+    keep_alive_seconds: float = 20.0
+    """uvicorn's ``timeout_keep_alive`` (whole seconds): an idle connection after an answer is closed.
+    It must outlast the silence between two pushes of a rank on its kept-alive connection, or pushes race
+    the close and some need a retry on a new connection (about 1 % of them, when it was 5 s and a fleet
+    pushed every 5 s). That silence is at most 1.1 push intervals (``probe.publisher.next_push_delay``), and
+    a rank pushing less often than ``rank_up_ttl_seconds`` (15 s) counts as down, so 20 s covers every push
+    interval that keeps a rank up (16.5 s at most), four times the 5 s a fleet uses and twenty times
+    Patrol's default of 1 s. Idle connections stay bounded: over ``max_connections`` one is closed to make
+    room, never one in use (agent.limits; docs/security.md has what the longer keep-alive costs)."""
     log_level: str = "info"
     exit_when_idle_seconds: float = 0.0
     """Exit when no rank has pushed for this long (0: never). An embedded agent runs detached from the
