@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .config import Config
-from .promql import INSTANCE, RANK, RUN, Alert, Group, num, rank_labels, sel, unless_halted
+from .promql import INSTANCE, RANK, RANK_STATE_FINISHED, RUN, Alert, Group, num, rank_labels, sel, unless_halted
 
 
 def group(cfg: Config) -> Group:
@@ -36,8 +36,8 @@ def group(cfg: Config) -> Group:
         + unless_halted(rank_on, stall_window)
     )
     # A rank that closed or stopped on purpose is not down.
-    finished = s("trainpatrol_rank_state", 'state=~"closed|stopped"')
-    down = f"{s('trainpatrol_rank_up')} == 0\nunless on ({rank_on})\n({finished} == 1)"
+    finished = f"{s('trainpatrol_rank_state')} >= {RANK_STATE_FINISHED}"
+    down = f"{s('trainpatrol_rank_up')} == 0\nunless on ({rank_on})\n({finished})"
     rules = (
         Alert(
             "RankStalled", stalled, "critical",

@@ -52,8 +52,12 @@ GPU_COPIED = "gpu"
 DCGM_GPU_COPIED = "gpu, device, pci_bus_id, modelName, Hostname, DCGM_FI_DRIVER_VERSION"
 """The same for dcgm-exporter's series (its default label set)."""
 
-HALTED_STATES = ("pausing", "paused", "stopping", "stopped", "closed")
-"""``trainpatrol_rank_state`` values of a rank that is not training on purpose."""
+RANK_STATES = ("running", "pausing", "paused", "stopping", "stopped", "closed")
+"""``trainpatrol_rank_state``'s encoding: the value is the index (trainpatrol.actions.RUN_STATES)."""
+RANK_STATE_HALTED = RANK_STATES.index("pausing")
+"""From this value on, a rank is not training on purpose."""
+RANK_STATE_FINISHED = RANK_STATES.index("stopped")
+"""From this value on, a rank stopped or closed on purpose: it is not down."""
 RANK_HALTED = "run_rank:trainpatrol_rank_state:halted"
 """1 for each rank that is pausing, paused, stopping, stopped or closed, or down (``rank_up`` 0)."""
 

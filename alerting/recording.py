@@ -18,10 +18,10 @@ from .promql import (
     DCGM_NEWEST_RANK,
     DCGM_RANK_COPIED,
     DCGM_RANK_INFO,
-    HALTED_STATES,
     RANK_COPIED,
     RANK_HALTED,
     RANK_INFO,
+    RANK_STATE_HALTED,
     Group,
     Recording,
     dcgm_gpu_labels,
@@ -68,21 +68,20 @@ def group(cfg: Config) -> Group:
     def run_quantile(q: float) -> str:  # interpolates within the buckets: NaN where no step completed
         return (
             f"histogram_quantile(\n  {q},\n"
-            f"  sum by ({run_on}, le) (rate({s('trainpatrol_step_duration_seconds_bucket')}[5m]))\n"
+            f"  sum by ({run_on}, le) (rate({s('trainpatrol_run_step_duration_seconds_bucket')}[5m]))\n"
             f"  and on ({run_on})\n"
-            f"  (sum by ({run_on}) (rate({s('trainpatrol_step_duration_seconds_count')}[5m])) > 0)\n)"
+            f"  (sum by ({run_on}) (rate({s('trainpatrol_run_step_duration_seconds_count')}[5m])) > 0)\n)"
         )
 
     with_gpu = s("trainpatrol_rank_info", 'gpu_uuid!=""')
     rank_info = f'label_replace({with_gpu}, "uuid", "$1", "gpu_uuid", "(.+)")'
-    halted_state = s("trainpatrol_rank_state", 'state=~"' + "|".join(HALTED_STATES) + '"')
+    halted_state = s("trainpatrol_rank_state")
     rules = (
         # Ranks that do not train on purpose (or are gone): liveness and progress alerts skip them.
         Recording(
             RANK_HALTED,
             f"max by ({rank_on}) (\n"
-            f"  {halted_state} == 1\n  or\n"
-            f"  {s('trainpatrol_paused')} == 1\n  or\n"
+            f"  {halted_state} >= {RANK_STATE_HALTED}\n  or\n"
             f"  1 - {s('trainpatrol_rank_up')} > 0\n)",
         ),
         # Time waiting for data over step time: above about 0.3 the GPU starves. The 2m ratio is the
@@ -164,3 +163,39 @@ def _dcgm_newest(cfg: Config, with_gpu: str, rank_on: str) -> Recording:
         f"    topk by ({cfg.cluster_label}, gpu_uuid) (1,\n{indent(newest, '      ')}\n    ),\n    1\n  ),\n"
         '  "UUID", "$1", "gpu_uuid", "(.+)"\n)',
     )
+
+
+ROLLUP_QUANTITIES = (
+    # (the per-rank series, its name in rollups, its window (none for a gauge), what its top ranks are called)
+    (STEP_MEAN_RANK, "trainpatrol_step_duration_seconds", "mean5m", "slowest"),
+    (LOADER_WAIT_RANK, "trainpatrol_loader_wait_seconds_per_step_seconds", "ratio_rate5m", "most_waiting"),
+    ("trainpatrol_grad_norm", "trainpatrol_grad_norm", "", "largest"),
+    ("trainpatrol_cuda_memory_used_ratio", "trainpatrol_cuda_memory_used_ratio", "", "fullest"),
+)
+OUTLIER_COUNT = 3
+"""Ranks each outlier rule names per run: enough to see whether one rank or a group stands out."""
+
+
+def rollups(cfg: Config) -> Group:
+    """Per run and per node: min, median and max across ranks of step time, loader wait, grad norm and memory
+    used; per run the ranks that stand out (``run_rank:<metric>:outlier_<what>``, the top ``OUTLIER_COUNT``).
+    Dashboards and a 1,024-rank run read these instead of one line per rank. Evaluated in a group of their own,
+    after the per-rank means of ``trainpatrol-recording`` (one interval behind them)."""
+    rank_on, run_on = rank_labels(cfg), run_labels(cfg)
+    host = f"max by ({rank_on}, host) ({sel(cfg, 'trainpatrol_rank_info')})"
+    rules: list[Recording] = []
+    for source, name, window, outlier in ROLLUP_QUANTITIES:
+        per_rank = sel(cfg, source) if source.startswith("trainpatrol_") else source
+        suffix = f"_{window}" if window else ""
+        for agg, expr in (("min", f"min by ({run_on}) ({per_rank})"),
+                          ("median", f"quantile by ({run_on}) (0.5, {per_rank})"),
+                          ("max", f"max by ({run_on}) ({per_rank})")):
+            if (agg, name) != ("median", "trainpatrol_step_duration_seconds"):  # STEP_MEDIAN_RUN already is
+                rules.append(Recording(f"run:{name}:{agg}{suffix}", expr))
+        on_host = f"{per_rank}\n* on ({rank_on}) group_left (host)\n{host}"
+        for agg in ("min", "max"):
+            rules.append(Recording(f"run_host:{name}:{agg}{suffix}",
+                                   f"{agg} by ({run_on}, host) (\n{indent(on_host)}\n)"))
+        rules.append(Recording(f"run_rank:{name}:outlier_{outlier}",
+                               f"topk by ({run_on}) ({OUTLIER_COUNT}, {per_rank})"))
+    return Group("trainpatrol-rollups", tuple(rules))

@@ -96,11 +96,10 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "host_memory_limit_bytes", "gauge", "bytes", "Host memory limit in force for the rank: PatrolConfig.host_memory_limit_bytes, else the lower of its cgroup's memory.max (v1 memory.limit_in_bytes) and MemTotal."),
     _r(P + "dataloader_worker_resident_bytes", "gauge", "bytes", "Resident set size of each live worker process of the DataLoader iterated through Patrol.loader(), by worker index; it includes pages shared with the rank.", "worker"),
     _r(P + "probe_overhead_ratio", "gauge", "ratio", "Patrol's host time on the training thread (step(), the loader wrapper, the optimizer hooks, the step boundary) divided by step time over the recent window, plus its publisher thread's CPU seconds per second. On a GPU-bound step the host time is hidden and costs less than this."),
-    _r(P + "guard_trips_total", "counter", "", "Local guard trips, by guard.", "guard"),
+    _r(P + "guard_trips_total", "counter", "", "Local guard trips, by guard. At the standard series level, only the guards that tripped at least once.", "guard"),
     _r(P + "guard_active", "gauge", "", "1 while a local guard's condition holds at the last read step.", "guard"),
-    _r(P + "paused", "gauge", "", "1 while the rank waits in a coordinated pause."),
-    _r(P + "rank_state", "gauge", "", "1 for the rank's current control state.", "state"),
-    _r(P + "actions_total", "counter", "", "Control actions carried out by the rank, by action and outcome.", "action", "outcome"),
+    _r(P + "rank_state", "gauge", "", "The rank's control state: 0 running, 1 pausing, 2 paused, 3 stopping, 4 stopped, 5 closed (>= 1: not training on purpose; >= 4: finished)."),
+    _r(P + "actions_total", "counter", "", "Control actions carried out by the rank, by action and outcome (per run at the standard level: trainpatrol_run_actions_total).", "action", "outcome"),
     _r(P + "checkpoint_failures_total", "counter", "", "Checkpoint writes that failed and left the previous one in place."),
     _r(P + "checkpoint_blocked_seconds_total", "counter", "seconds", "Training time spent waiting for checkpoints: a checkpoint action's staging in host memory (it is written in the background), a pause's or stop's whole write."),
     _r(P + "checkpoint_write_seconds", "gauge", "seconds", "How long the last successful checkpoint took from its start until it was durable."),
@@ -117,6 +116,8 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "rank_up", "gauge", "", "1 while the rank pushed within the liveness TTL.", "run", "rank"),
     _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
     _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),
+    _a(P + "run_actions_total", "counter", "", "Control actions carried out in a run, by action and outcome: the most that any of this agent's ranks of the run reports (every rank carries out each agreed action once). max by (run, action, outcome) over agents.", "run", "action", "outcome"),
+    _a(P + "run_step_duration_seconds", "histogram", "seconds", "Wall time of one optimizer step, the histograms of this agent's ranks of the run summed. sum by (run, le) over agents gives the run's quantiles.", "run"),
     _a(P + "pushes_total", "counter", "", "Push requests received, by outcome: ok, invalid, unauthorized (agent token), wrong_namespace (a namespace token of another namespace), wrong_run_key (the run is bound to another key), too_large, refused (over a bound).", "outcome"),
     _a(P + "webhook_alerts_total", "counter", "", "Alerts received on the Alertmanager webhook, by outcome.", "outcome"),
     _a(P + "dropped_ranks_total", "counter", "", "Ranks whose series the agent dropped before their time, by reason: keyless (a run bound a key, its keyless ranks were not its own), superseded (a relaunch with another key took the name), evicted (a new run needed the room of one that gave way).", "reason"),
@@ -161,6 +162,19 @@ NVML_METRICS: tuple[Metric, ...] = (
     _g(P + "nvml_sample_timestamp_seconds", "gauge", "seconds", "Unix time of the NVML sample being served."),
 )
 
+FULL_ONLY: frozenset[str] = frozenset(P + name for name in (
+    "micro_step_total", "amp_loss_scale", "dataloader_warning", "cuda_memory_active_bytes",
+    "cuda_memory_inactive_split_bytes", "cuda_memory_unusable_at_peak_bytes", "cuda_memory_baseline_bytes",
+    "cuda_memory_baseline_slope_bytes_per_step", "host_memory_limit_bytes", "dataloader_worker_resident_bytes",
+    "guard_active", "actions_total", "last_checkpoint_timestamp_seconds", "last_checkpoint_step",
+    "control_interval_steps"))
+"""Rank metrics the agent serves only at the ``full`` series level (``--series full``); at the default,
+``standard``, a rank also keeps only the ``+Inf`` bucket of its step-duration histogram, and only the guards
+that tripped. SERIES_BUDGET says what that leaves."""
+
+SERIES_BUDGET = 40
+"""The most series one rank may cost at the standard level, the agent's liveness series included."""
+
 ALL_METRICS: tuple[Metric, ...] = RANK_METRICS + AGENT_METRICS + NVML_METRICS
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL_METRICS}
 
@@ -176,6 +190,20 @@ def render_markdown() -> str:
         "`trainpatrol_rank_info{gpu_uuid=...}` through `label_replace(..., \"uuid\", \"$1\", \"gpu_uuid\", \"(.*)\")`.",
         "Histograms expose `_bucket`, `_sum` and `_count`; info metrics have the value 1.",
         "",
+        "## Series budget",
+        "",
+        f"A 1,024-rank job shares its Prometheus with everything else, so one rank costs at most {SERIES_BUDGET} series at",
+        "the agent's default series level, `standard` (a GPU rank on the README loop with a validation loss, a",
+        "GradScaler and two parameter groups: 38, the agent's liveness series included; `tests/agent/test_series_budget.py`).",
+        "At that level the agent leaves out the metrics marked *full* below, every step-duration bucket of a rank but",
+        "`+Inf` (its `_sum` and `_count` stay), and `trainpatrol_guard_trips_total` of guards that never tripped.",
+        "What is the same on every rank of a run is served once per run instead: `trainpatrol_run_actions_total`",
+        "(every rank carries out each agreed action) and `trainpatrol_run_step_duration_seconds` (the ranks'",
+        "histograms summed, for the run's quantiles). The rank's control state is one gauge,",
+        "`trainpatrol_rank_state`, whose value encodes the state. Every series an alert reads is served from the",
+        "rank's first push, counters at 0. `trainpatrol agent --series full` (Helm: `agent.series: full`) serves",
+        "everything, 101 series for the same rank.",
+        "",
     ]
     titles = {"rank": "Rank metrics (pushed by Patrol)", "agent": "Agent metrics", "nvml": "GPU metrics (NVML)"}
     notes = {"nvml": ["A background thread samples the GPUs every `--nvml-interval` (1 s). Energy, ECC errors,",
@@ -186,12 +214,15 @@ def render_markdown() -> str:
     notes["agent"] = ["The `process_*` metrics describe the agent process itself, under the names every Prometheus",
                       "client library uses; they are read from /proc at most once a second.", ""]
     for source, title in titles.items():
-        out += [f"## {title}", "", *notes.get(source, []), "| name | type | unit | labels | help |",
-                "| --- | --- | --- | --- | --- |"]
+        level = source == "rank"
+        out += [f"## {title}", "", *notes.get(source, []),
+                "| name | type | unit | labels |" + (" level |" if level else "") + " help |",
+                "| --- | --- | --- | --- |" + (" --- |" if level else "") + " --- |"]
         for m in ALL_METRICS:
             if m.source == source:
                 labels = ", ".join(f"`{label}`" for label in m.all_labels)
-                out.append(f"| `{m.name}` | {m.kind} | {m.unit or '-'} | {labels or '-'} | {m.help} |")
+                served = (" full |" if m.name in FULL_ONLY else " standard |") if level else ""
+                out.append(f"| `{m.name}` | {m.kind} | {m.unit or '-'} | {labels or '-'} |{served} {m.help} |")
         out.append("")
     return "\n".join(out)
 

@@ -450,9 +450,7 @@ def test_fast_profile_rank_stalled_stays_silent_after_a_stop_and_a_sigkill_and_f
         series[f"trainpatrol_step_duration_seconds_sum{{{rank}}}"] = "0+1x20 20x39"
         series[f"trainpatrol_step_duration_seconds_count{{{rank}}}"] = "0+10x20 200x39"
         series[f"trainpatrol_rank_up{{{rank}}}"] = "1x59" if run == "hung" else "1x35 0x24"
-        series[f"trainpatrol_paused{{{rank}}}"] = "0x59"
-        series[f'trainpatrol_rank_state{{{rank},state="running"}}'] = "1x20 0x39" if run == "stopped" else "1x59"
-        series[f'trainpatrol_rank_state{{{rank},state="stopped"}}'] = "0x20 1x39" if run == "stopped" else "0x59"
+        series[f"trainpatrol_rank_state{{{rank}}}"] = "0x20 4x39" if run == "stopped" else "0x59"  # 4: stopped
     inputs = "\n".join(f"      - series: '{k}'\n        values: '{v}'" for k, v in series.items())
     hung = 'job="trainpatrol",instance="127.0.0.1:9400",run="hung",rank="0"'
     (tmp_path / "stalled.test.yml").write_text(

@@ -31,7 +31,7 @@ def snap(rank: int = 1, **extra: Any) -> RankSnapshot:
 def test_a_rank_with_workload_labels_a_histogram_and_an_info_is_written_exactly() -> None:
     store = RankStore(clock=Clock())
     store.push(snap(**POD))
-    body = text(RankCollector(store))
+    body = text(RankCollector(store, level="full"))
     w = 'container="trainer",namespace="team-a",node="gpu-12",pod="w-1",rank="1",run="r1"'
     buckets = "".join(f'trainpatrol_step_duration_seconds_bucket{{container="trainer",le="{le}",namespace="team-a",'
                       f'node="gpu-12",pod="w-1",rank="1",run="r1"}} {float(min(i, 5))}\n'
@@ -64,8 +64,44 @@ def test_a_rank_with_workload_labels_a_histogram_and_an_info_is_written_exactly(
         f"trainpatrol_rank_last_push_timestamp_seconds{{{w}}} 1.70000000025e+09\n"
         "# HELP trainpatrol_rank_last_step_timestamp_seconds Unix time at which the rank's step counter last "
         "advanced.\n# TYPE trainpatrol_rank_last_step_timestamp_seconds gauge\n"
-        f"trainpatrol_rank_last_step_timestamp_seconds{{{w}}} 1.70000000025e+09\n")
+        f"trainpatrol_rank_last_step_timestamp_seconds{{{w}}} 1.70000000025e+09\n"
+        "# HELP trainpatrol_run_step_duration_seconds Wall time of one optimizer step, the histograms of this agent's "
+        "ranks of the run summed. sum by (run, le) over agents gives the run's quantiles.\n"
+        "# TYPE trainpatrol_run_step_duration_seconds histogram\n"
+        + buckets.replace("trainpatrol_step", "trainpatrol_run_step").replace(
+            ',node="gpu-12",pod="w-1",rank="1"', "").replace('container="trainer",', "") +
+        'trainpatrol_run_step_duration_seconds_count{namespace="team-a",run="r1"} 5.0\n'
+        'trainpatrol_run_step_duration_seconds_sum{namespace="team-a",run="r1"} 2.5\n')
     assert_clean(body)
+
+
+def test_the_standard_level_keeps_a_rank_to_its_budget_and_serves_what_is_the_same_once_per_run() -> None:
+    store = RankStore(clock=Clock())
+    for rank, (ok, failed, trips) in enumerate([(2.0, 0.0, 0.0), (2.0, 1.0, 3.0)]):
+        store.push(snap(rank, samples=[
+            {"name": "trainpatrol_loss", "value": 1.5},
+            {"name": "trainpatrol_actions_total", "labels": {"action": "pause", "outcome": "ok"}, "value": ok},
+            {"name": "trainpatrol_actions_total", "labels": {"action": "pause", "outcome": "failed"},
+             "value": failed},
+            {"name": "trainpatrol_guard_trips_total", "labels": {"guard": "loss_spike"}, "value": trips},
+            {"name": "trainpatrol_guard_active", "labels": {"guard": "loss_spike"}, "value": 0.0},
+            {"name": "trainpatrol_micro_step_total", "value": 9.0}]))
+    body = text(RankCollector(store)).decode()
+    lines = [ln for ln in body.splitlines() if not ln.startswith("#")]
+    assert [ln for ln in lines if "actions_total" in ln] == [
+        'trainpatrol_run_actions_total{action="pause",outcome="failed",run="r1"} 1.0',
+        'trainpatrol_run_actions_total{action="pause",outcome="ok",run="r1"} 2.0']
+    assert [ln for ln in lines if "guard" in ln] == [
+        'trainpatrol_guard_trips_total{guard="loss_spike",rank="1",run="r1"} 3.0']
+    assert not [ln for ln in lines if "micro_step" in ln]
+    per_rank = [ln for ln in lines if ln.startswith("trainpatrol_step_duration_seconds")]
+    assert per_rank == [line for r in (0, 1) for line in (
+        f'trainpatrol_step_duration_seconds_bucket{{le="+Inf",rank="{r}",run="r1"}} 5.0',
+        f'trainpatrol_step_duration_seconds_count{{rank="{r}",run="r1"}} 5.0',
+        f'trainpatrol_step_duration_seconds_sum{{rank="{r}",run="r1"}} 2.5')]
+    assert 'trainpatrol_run_step_duration_seconds_bucket{le="0.0025",run="r1"} 2.0' in lines
+    assert 'trainpatrol_run_step_duration_seconds_sum{run="r1"} 5.0' in lines
+    assert_clean(body.encode())
 
 
 def test_ranks_are_written_in_order_within_each_family() -> None:
@@ -84,12 +120,12 @@ def test_values_go_does_not_write_as_python_does_and_a_zero_of_either_sign() -> 
                                 {"name": "trainpatrol_grad_norm", "value": float("inf")},
                                 {"name": "trainpatrol_amp_loss_scale", "value": -0.0},
                                 {"name": "trainpatrol_step_total", "value": 1.5e16}]))
-    body = text(RankCollector(store)).decode()
+    body = text(RankCollector(store, level="full")).decode()
     assert [ln.rsplit(" ", 1)[1] for ln in body.splitlines() if ln.startswith(("trainpatrol_loss{",
             "trainpatrol_grad_norm{", "trainpatrol_amp_loss_scale{", "trainpatrol_step_total{"))] == [
         "1.5e+16", "NaN", "+Inf", "-0.0"]
     store.push(snap(0, samples=[{"name": "trainpatrol_amp_loss_scale", "value": 0.0}]))
-    assert 'trainpatrol_amp_loss_scale{rank="0",run="r1"} 0.0\n' in text(RankCollector(store)).decode()
+    assert 'trainpatrol_amp_loss_scale{rank="0",run="r1"} 0.0\n' in text(RankCollector(store, level="full")).decode()
 
 
 def test_changed_says_yes_after_a_push_and_after_the_ttl_and_no_in_between() -> None:

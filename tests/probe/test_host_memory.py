@@ -45,7 +45,7 @@ def test_a_loop_that_keeps_its_outputs_writes_evidence_before_the_oom_killer_act
     headroom, rate = 750 * MIB, 30.0  # the limit 750 MiB above the start, reached after about 25 s
     log = tmp_path / "leak.log"
     cmd = [sys.executable, str(HERE / "leaky_loop.py"), "", str(tmp_path), str(headroom), str(rate)]
-    with agent(tmp_path) as url:
+    with agent(tmp_path, "--series", "full") as url:
         cmd[2] = url
         with process(cmd, log) as proc:
             info = wait_for(lambda: proc.poll() is not None or json.loads((tmp_path / "limit.json").read_text()),
@@ -88,7 +88,7 @@ def test_a_healthy_loop_with_two_workers_exports_each_resident_set_and_stays_qui
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     data = TensorDataset(torch.randn(1024, 32), torch.randn(1024, 1))
     loader = DataLoader(data, batch_size=16, shuffle=True, num_workers=2, persistent_workers=True)
-    with agent(tmp_path) as url:
+    with agent(tmp_path, "--series", "full") as url:
         config = PatrolConfig(run="healthy", agent_url=url, embedded_agent=False, push_interval_seconds=1.0,
                               checkpoint_dir=str(tmp_path / "ckpt"), evidence_dir=str(tmp_path / "evidence"))
         patrol = Patrol(model=model, optimizer=opt, config=config)

@@ -43,8 +43,8 @@ class Agent:
                                count=lambda counter, reason: self.stats.count(counter, reason))
         self.stats = AgentStats(config.mode)
         self.nvml = nvml
-        collectors: dict[str, Collector] = {"ranks": RankCollector(self.store), "agent": self.stats,
-                                            "process": ProcessMetrics()}
+        collectors: dict[str, Collector] = {"ranks": RankCollector(self.store, level=config.series),
+                                            "agent": self.stats, "process": ProcessMetrics()}
         if nvml is not None:
             collectors["nvml"] = nvml
         self.registry = Registry(collectors)

@@ -114,6 +114,10 @@ class AgentConfig:
     interval that keeps a rank up (16.5 s at most), four times the 5 s a fleet uses and twenty times
     Patrol's default of 1 s. Idle connections stay bounded: over ``max_connections`` one is closed to make
     room, never one in use (agent.limits; docs/security.md has what the longer keep-alive costs)."""
+    series: str = "standard"
+    """How many series a rank costs: ``standard`` keeps each rank within ``catalogue.SERIES_BUDGET`` (what a
+    1,024-rank job needs in a shared Prometheus), ``full`` serves every series of the catalogue
+    (docs/metrics.md, "Series budget")."""
     log_level: str = "info"
     exit_when_idle_seconds: float = 0.0
     """Exit when no rank has pushed for this long (0: never). An embedded agent runs detached from the
@@ -127,6 +131,8 @@ class AgentConfig:
         if self.exit_when_idle_seconds < 0:
             raise ConfigError(f"Config 'exit_when_idle_seconds' has value {self.exit_when_idle_seconds!r}. "
                               "Expected 0 (never) or more.")
+        if self.series not in ("standard", "full"):
+            raise ConfigError(f"Config 'series' has value {self.series!r}. Expected 'standard' or 'full'.")
         if self.mode not in ("agent", "router"):
             raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
         for name in ("max_runs", "max_ranks_per_run", "max_series", "max_series_per_run", "squat_seconds",

@@ -1,8 +1,12 @@
-"""Serves the ranks' pushed series, plus the liveness the agent derives from them.
+"""Serves the ranks' pushed series, plus the liveness the agent derives from them and the run-level series.
 
-Yields every ``source="rank"`` metric of the catalogue that some rank pushed, with ``run`` and
-``rank`` labels (and the workload labels a rank has), then ``trainpatrol_rank_up``,
-``trainpatrol_rank_last_push_timestamp_seconds`` and ``trainpatrol_rank_last_step_timestamp_seconds``.
+Yields the ``source="rank"`` metrics of the catalogue that some rank pushed, with ``run`` and ``rank`` labels
+(and the workload labels a rank has), then ``trainpatrol_rank_up``,
+``trainpatrol_rank_last_push_timestamp_seconds`` and ``trainpatrol_rank_last_step_timestamp_seconds``, then
+once per run what is the same on its ranks or sums over them: ``trainpatrol_run_actions_total`` and
+``trainpatrol_run_step_duration_seconds``. At the ``standard`` series level (the default) a rank's series
+stay within ``catalogue.SERIES_BUDGET``: the ``FULL_ONLY`` metrics, the step-duration buckets below
+``+Inf`` and the guards that never tripped are left out; ``full`` serves everything.
 A prometheus_client collector: the agent's /metrics writes it in either format (collectors.health).
 """
 
@@ -13,7 +17,7 @@ from typing import NamedTuple, Protocol
 
 from prometheus_client.metrics_core import Metric
 
-from ..catalogue import AGENT_METRICS, RANK_METRICS, STEP_DURATION_BUCKETS
+from ..catalogue import AGENT_METRICS, BY_NAME, FULL_ONLY, RANK_METRICS, STEP_DURATION_BUCKETS, P
 from ..protocol import RankSnapshot
 from .text_format import Labels
 
@@ -22,6 +26,9 @@ WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
 _HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
 _BOUNDS = (*(str(b) for b in STEP_DURATION_BUCKETS), "+Inf")
 _LIVENESS = tuple(m for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_"))
+_RUN_ACTIONS, _RUN_HISTOGRAM = BY_NAME[P + "run_actions_total"], BY_NAME[P + "run_step_duration_seconds"]
+_ACTIONS, _TRIPS = P + "actions_total", P + "guard_trips_total"
+SERIES_LEVELS = ("standard", "full")
 
 
 class RankRow(NamedTuple):
@@ -54,8 +61,10 @@ class RankCollector:
     """Families in catalogue order, the ranks in order within each; labels sorted by name, as the
     text format has always written them."""
 
-    def __init__(self, source: RankSource, max_series: int = 200_000) -> None:
-        self._source = source
+    def __init__(self, source: RankSource, max_series: int = 200_000, level: str = "standard") -> None:
+        if level not in SERIES_LEVELS:
+            raise ValueError(f"series level {level!r}: expected one of {', '.join(SERIES_LEVELS)}")
+        self._source, self._full = source, level == "full"
         self._labels: dict[tuple[object, ...], dict[str, str]] = {}
         """Each series' labels, sorted, kept from scrape to scrape: a rank pushes the same series every
         second, and building them again was most of a scrape. Cleared when past ``max_series``."""
@@ -65,41 +74,76 @@ class RankCollector:
         return self._source.state()
 
     def collect(self) -> Iterator[Metric]:
-        rows = self._source.rows()
-        families = {spec.name: spec.family() for spec in RANK_METRICS}
+        rows, full = self._source.rows(), self._full
+        families = {spec.name: spec.family() for spec in RANK_METRICS if full or spec.name not in FULL_ONLY}
         liveness = [spec.family() for spec in _LIVENESS]
+        run_actions: dict[tuple[str, ...], float] = {}
+        run_steps: dict[tuple[str, str], tuple[list[float], float]] = {}
         if len(self._labels) > self._max_series:
             self._labels.clear()
         labels_of = self._labels
+        bounds = _BOUNDS if full else _BOUNDS[-1:]
         for row in rows:
             snap = row.snapshot
             rank = (snap.run, snap.rank, *(getattr(snap, k) for k in WORKLOAD_LABELS))
             base: dict[str, str] | None = None
             for s in snap.samples:
-                key = (rank, s.name, *s.labels.items())
-                labels = labels_of.get(key)
+                if s.name == _ACTIONS:
+                    act = (snap.namespace, snap.run, s.labels.get("action", ""), s.labels.get("outcome", ""))
+                    run_actions[act] = max(run_actions.get(act, 0.0), s.value)
+                fam = families.get(s.name)
+                if fam is None or (not full and s.name == _TRIPS and not s.value):
+                    continue
+                series = (rank, s.name, *s.labels.items())
+                labels = labels_of.get(series)
                 if labels is None:
                     base = base or rank_labels(snap)
-                    labels = labels_of[key] = _sorted(base | s.labels)
-                fam = families[s.name]
+                    labels = labels_of[series] = _sorted(base | s.labels)
                 fam.add_sample(s.name, labels, 1.0 if fam.type == "info" else s.value)
             plain = labels_of.get(rank)
             if plain is None:
                 plain = labels_of[rank] = _sorted(rank_labels(snap))
             if snap.histogram is not None:
                 fam, counts = families[_HISTOGRAM], snap.histogram.counts
-                for le, count in zip(_BOUNDS, counts, strict=True):
-                    key = (rank, le)
-                    labels = labels_of.get(key)
+                for le, count in zip(bounds, counts[-len(bounds):], strict=True):
+                    bucket = (rank, le)
+                    labels = labels_of.get(bucket)
                     if labels is None:
-                        labels = labels_of[key] = _sorted(plain | {"le": le})
+                        labels = labels_of[bucket] = _sorted(plain | {"le": le})
                     fam.add_sample(_HISTOGRAM + "_bucket", labels, count)
                 fam.add_sample(_HISTOGRAM + "_count", plain, counts[-1])
                 fam.add_sample(_HISTOGRAM + "_sum", plain, snap.histogram.sum)
+                run = (snap.namespace, snap.run)
+                summed, total = run_steps.get(run, ([0.0] * len(counts), 0.0))
+                run_steps[run] = ([a + b for a, b in zip(summed, counts, strict=True)], total + snap.histogram.sum)
             for fam, value in zip(liveness, (1.0 if row.up else 0.0, row.last_push, row.last_step_advance),
                                   strict=True):
                 fam.add_sample(fam.name, plain, value)
         yield from (f for f in (*families.values(), *liveness) if f.samples)
+        yield from _run_families(run_actions, run_steps)
+
+
+def _run_labels(namespace: str, run: str, **more: str) -> dict[str, str]:
+    return _sorted(({"namespace": namespace} if namespace else {}) | {"run": run} | more)
+
+
+def _run_families(actions: dict[tuple[str, ...], float],
+                  steps: dict[tuple[str, str], tuple[list[float], float]]) -> Iterator[Metric]:
+    """Once per run: its actions (the most any rank reports) and its ranks' step histograms summed."""
+    if actions:
+        fam = _RUN_ACTIONS.family()
+        for (namespace, run, action, outcome), value in sorted(actions.items()):
+            fam.add_sample(_RUN_ACTIONS.name, _run_labels(namespace, run, action=action, outcome=outcome), value)
+        yield fam
+    if steps:
+        fam = _RUN_HISTOGRAM.family()
+        name = _RUN_HISTOGRAM.name
+        for (namespace, run), (counts, total) in sorted(steps.items()):
+            for le, count in zip(_BOUNDS, counts, strict=True):
+                fam.add_sample(name + "_bucket", _run_labels(namespace, run, le=le), count)
+            fam.add_sample(name + "_count", _run_labels(namespace, run), counts[-1])
+            fam.add_sample(name + "_sum", _run_labels(namespace, run), total)
+        yield fam
 
 
 def _sorted(labels: dict[str, str]) -> dict[str, str]:

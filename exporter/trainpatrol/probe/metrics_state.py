@@ -110,9 +110,7 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
     for g in GUARDS:
         add("guard_trips_total", guards_trips[g], guard=g)
         add("guard_active", 1.0 if guards_active[g] else 0.0, guard=g)
-    add("paused", 1.0 if state == "paused" else 0.0)
-    for s in RUN_STATES:
-        add("rank_state", 1.0 if s == state else 0.0, state=s)
+    add("rank_state", RUN_STATES.index(state))
     for action in ACTIONS:  # every series exists from the start, so increase() sees the first action
         for outcome in ("ok", "failed", "skipped"):
             add("actions_total", record.action_counts.get((action, outcome), 0.0), action=action, outcome=outcome)
