@@ -155,11 +155,14 @@ def agent(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | 
 @contextmanager
 def prometheus(tmp: Path, targets: list[str], rule_files: list[Path] = (),  # type: ignore[assignment]
                alertmanager_url: str = "", interval: str = "1s", labels: dict[str, str] | None = None,
-               other_jobs: dict[str, list[str]] | None = None) -> Iterator[str]:
+               other_jobs: dict[str, list[str]] | None = None, extra_config: dict[str, Any] | None = None,
+               flags: tuple[str, ...] = ()) -> Iterator[str]:
     """A real Prometheus scraping ``targets`` (host:port) every ``interval``; yields its base URL.
 
     ``labels`` become target labels, with honor_labels on as the chart's monitors set it; ``other_jobs``
-    (job name to targets) are scraped beside, with the same target labels."""
+    (job name to targets) are scraped beside, with the same target labels. ``extra_config``: more top-level
+    sections (``remote_write``, ...; a mapping such as ``global`` is merged into the one above); ``flags``:
+    more command-line flags (``--web.enable-remote-write-receiver``, ...)."""
     assert PROMETHEUS, "prometheus binary not installed"
     port = free_port()
     cfg: dict[str, Any] = {
@@ -172,9 +175,11 @@ def prometheus(tmp: Path, targets: list[str], rule_files: list[Path] = (),  # ty
     if alertmanager_url:
         host = urllib.parse.urlparse(alertmanager_url).netloc
         cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [host]}]}]}
+    for key, value in (extra_config or {}).items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     (tmp / "prometheus.yml").write_text(json.dumps(cfg))
     cmd = [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-           f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", "--log.level=warn"]
+           f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", "--log.level=warn", *flags]
     with serving(cmd, tmp / "prometheus.log", port, "/-/ready", 30) as url:
         yield url
 
