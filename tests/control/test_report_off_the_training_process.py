@@ -4,11 +4,16 @@ never imports matplotlib, so the report cannot hold its GIL, and the report is t
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from servers import python_env
+from trainpatrol.control.evidence_writer import REPORTS_WAITING, EvidenceWriter
 
 SCRIPT = """
 import json, sys, torch
@@ -43,3 +48,16 @@ def test_the_report_is_rendered_by_a_child_process_and_written_by_close(tmp_path
     assert out == {"matplotlib_imported": False, "actions": [["checkpoint", "ok"]]}
     reports = list((tmp_path / "evidence").glob("*/report.html"))
     assert len(reports) == 1 and "timeline" in reports[0].read_text()
+
+
+def test_reports_waiting_to_render_are_bounded_and_the_rest_are_named(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    writer = EvidenceWriter(tmp_path, 0, torch.device("cpu"), history=list, config=dict, nvml=lambda: None)
+    bundles = [tmp_path / f"bundle-{i}" for i in range(10)]
+    with caplog.at_level(logging.WARNING, logger="trainpatrol"):
+        for bundle in bundles:
+            writer.index(bundle, {"action": "checkpoint"}, {"source": "test"})
+        writer.wait()
+    skipped = [r.getMessage() for r in caplog.records if "not rendered" in r.getMessage()]
+    assert len(skipped) in (10 - REPORTS_WAITING - 1, 10 - REPORTS_WAITING)  # the first may have left the queue
+    assert all(f"`trainpatrol report {bundles[-1]}` renders it" in m for m in skipped[-1:])

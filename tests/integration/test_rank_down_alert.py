@@ -20,7 +20,7 @@ import torch
 
 from loops import scripted_patrol
 from markers import needs_prometheus
-from servers import REPO, agent, http_json, prometheus, query, query_value, wait_for
+from servers import REPO, agent, http_json, prometheus, python_env, query, query_value, wait_for
 from trainpatrol import Patrol
 
 pytestmark = [needs_prometheus, pytest.mark.timeout(120)]
@@ -69,7 +69,9 @@ def rank_down(prom: str, run: str, over: str = "") -> list[dict[str, object]]:
 
 def test_a_rank_that_closed_normally_never_pages_rank_down_and_one_that_vanished_does(tmp_path: Path) -> None:
     rules = fast_rules(tmp_path)
-    with agent(tmp_path, "--no-nvml", "--rank-up-ttl", str(UP_TTL)) as url, \
+    # a 5 s keep-alive (the default is 20 s), so a final push finds its kept-alive connection closed
+    with agent(tmp_path, "--no-nvml", "--rank-up-ttl", str(UP_TTL),
+               env=python_env(TRAINPATROL_KEEP_ALIVE_SECONDS="5")) as url, \
             prometheus(tmp_path, [url.removeprefix("http://")], [rules]) as prom:
         finished = Training(scripted_patrol(tmp_path / "finished", url, run="finished", push_interval_seconds=0.25,
                                             pause_poll_seconds=0.05, guard_actions={}))

@@ -23,6 +23,8 @@ import torch
 from .evidence import bundle_name, write_manifest, write_rank_part
 
 log = logging.getLogger("trainpatrol")
+REPORTS_WAITING = 4
+"""Reports waiting to be rendered, at most: a close (which waits for them) stays short, and memory bounded."""
 
 
 class EvidenceWriter:
@@ -31,7 +33,7 @@ class EvidenceWriter:
                  nvml: Callable[[], Any]) -> None:
         self._directory, self._rank, self._device = Path(directory), rank, device
         self._history, self._config, self._nvml = history, config, nvml
-        self._queue: queue.Queue[Path] = queue.Queue()
+        self._queue: queue.Queue[Path] = queue.Queue(maxsize=REPORTS_WAITING)
         self._renderer: threading.Thread | None = None
 
     def bundle(self, clock: float, step: int, action: str) -> Path:
@@ -47,7 +49,11 @@ class EvidenceWriter:
         if self._renderer is None:
             self._renderer = threading.Thread(target=self._render_queued, name="trainpatrol-report", daemon=True)
             self._renderer.start()
-        self._queue.put(bundle)
+        try:
+            self._queue.put_nowait(bundle)
+        except queue.Full:  # bundles come faster than reports render: the rest waits for no one
+            log.warning("trainpatrol: report for %s not rendered (%d waiting); `trainpatrol report %s` renders it",
+                        bundle, REPORTS_WAITING, bundle)
 
     def wait(self) -> None:
         """Until every report asked for is written."""
