@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import pickle
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -36,27 +37,14 @@ class _Entry(NamedTuple):
     nbytes: int
 
 
-def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach())
-        return TensorRef(len(tensors) - 1)
+def _walk(value: Any, replace: Callable[[Any], Any]) -> Any:
+    """``value`` rebuilt with ``replace`` applied to every leaf: what is not a dict, list or plain tuple."""
     if isinstance(value, dict):
-        return type(value)((k, _strip(v, tensors)) for k, v in value.items())
+        return type(value)((k, _walk(v, replace)) for k, v in value.items())
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        items = [_strip(v, tensors) for v in value]
+        items = [_walk(v, replace) for v in value]
         return items if isinstance(value, list) else type(value)(items)
-    return value
-
-
-def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, TensorRef):
-        return tensors[value.position]
-    if isinstance(value, dict):
-        return type(value)((k, _fill(v, tensors)) for k, v in value.items())
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        items = [_fill(v, tensors) for v in value]
-        return items if isinstance(value, list) else type(value)(items)
-    return value
+    return replace(value)
 
 
 def _memory(t: torch.Tensor) -> memoryview:
@@ -67,7 +55,14 @@ def _memory(t: torch.Tensor) -> memoryview:
 def write(state: Any, f: BinaryIO) -> None:
     """Write ``state`` (nested dicts, lists and tuples of tensors and picklable values) to ``f``."""
     tensors: list[torch.Tensor] = []
-    skeleton = _strip(state, tensors)
+
+    def strip(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf.detach())
+        return TensorRef(len(tensors) - 1)
+
+    skeleton = _walk(state, strip)
     entries, offset = [], 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -106,4 +101,4 @@ def read(path: Path, map_location: str | torch.device = "cpu") -> Any:
             done += n
     tensors = [data[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).reshape(e.shape)
                .to(map_location) for e in entries]
-    return _fill(skeleton, tensors)
+    return _walk(skeleton, lambda leaf: tensors[leaf.position] if isinstance(leaf, TensorRef) else leaf)
