@@ -13,7 +13,7 @@ from grafana_foundation_sdk.models import text as tm
 from dashboards.common import (
     DS,
     NODES,
-    RANK,
+    RUN,
     RUNBOOKS,
     TIMES,
     Q,
@@ -31,7 +31,8 @@ from dashboards.common import (
 UID = "trainpatrol-checklist"
 TITLE = "trainpatrol / Training checklist"
 ABOUT = ("The morning inspection: every run's health checks at a glance, each with its normal range, "
-         "the action to take and the runbook. Counters cover the selected time range.")
+         "the action to take and the runbook. Each check is one value per run over all its ranks, however "
+         "many (the rank drill-down does not narrow it). Counters cover the selected time range.")
 
 ALERTS = tuple("TrainPatrol" + name for name in (
     "NonFiniteLoss", "NonFiniteGrad", "GradNormExplosion", "LossSpike", "LossStagnation",
@@ -72,7 +73,7 @@ class Check:
 
 
 def _count(metric: str) -> str:
-    return f"sum by (run) (round(increase({metric}{{{RANK}}}[$__range])))"
+    return f"sum by (run) (round(increase({metric}{{{RUN}}}[$__range])))"
 
 
 CHECKS: tuple[Check, ...] = (
@@ -91,7 +92,7 @@ CHECKS: tuple[Check, ...] = (
         "Fragmentation",
         "Is the caching allocator wasting reserved memory? Highest share of reserved bytes that stayed "
         "unusable even at the allocation peak, over ranks (healthy: a few percent).",
-        f"max by (run) (trainpatrol_cuda_memory_fragmentation_ratio{{{RANK}}})",
+        f"max by (run) (trainpatrol_cuda_memory_fragmentation_ratio{{{RUN}}})",
         "percentunit", ((None, GREEN), (0.2, YELLOW), (0.35, RED)),
         "below 20 % (the alert fires above 35 % with more than 4 GiB reserved, or above 20 % while "
         "cudaMalloc retries)",
@@ -103,8 +104,8 @@ CHECKS: tuple[Check, ...] = (
         "Grad norm",
         "Are gradients exploding? Highest window maximum of the grad norm, as a multiple of its "
         "1-hour median.",
-        f"max by (run) (trainpatrol_grad_norm_window_max{{{RANK}}} "
-        f"/ quantile_over_time(0.5, trainpatrol_grad_norm{{{RANK}}}[1h]))",
+        f"max by (run) (trainpatrol_grad_norm_window_max{{{RUN}}} "
+        f"/ quantile_over_time(0.5, trainpatrol_grad_norm{{{RUN}}}[1h]))",
         TIMES, ((None, GREEN), (3, YELLOW), (10, RED)),
         "below 3 times the 1-hour median",
         "Checkpoint and pause; lower the learning rate or tighten gradient clipping, and inspect the "
@@ -114,7 +115,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "Val / train loss",
         "Is the model overfitting? Last validation loss over the recent mean training loss.",
-        f"max by (run) (trainpatrol_validation_loss{{{RANK}}} / trainpatrol_loss_window_mean{{{RANK}}})",
+        f"max by (run) (trainpatrol_validation_loss{{{RUN}}} / trainpatrol_loss_window_mean{{{RUN}}})",
         TIMES, ((None, GREEN), (1.1, YELLOW), (1.3, RED)),
         "below 1.1 times the training loss",
         "Checkpoint; consider early stopping, more regularisation or more data, and confirm the "
@@ -125,7 +126,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "Loader wait",
         "Is the run starved by its input pipeline? Highest share of step time spent waiting for a batch.",
-        f"max by (run) (trainpatrol_loader_wait_ratio{{{RANK}}})",
+        f"max by (run) (trainpatrol_loader_wait_ratio{{{RUN}}})",
         "percentunit", ((None, GREEN), (0.1, YELLOW), (0.3, RED)),
         "below 30 % of step time",
         "Raise num_workers and prefetch_factor, enable pin_memory and persistent_workers; read the "
@@ -135,7 +136,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "Memory headroom",
         "How close is the run to an out-of-memory error? Smallest free share of device memory over ranks.",
-        f"1 - max by (run) (trainpatrol_cuda_memory_used_ratio{{{RANK}}})",
+        f"1 - max by (run) (trainpatrol_cuda_memory_used_ratio{{{RUN}}})",
         "percentunit", ((None, RED), (0.08, YELLOW), (0.15, GREEN)),
         "more than 8 % free (the alert fires above 92 % used)",
         "Checkpoint now; then lower the micro-batch size, enable activation checkpointing or send "
@@ -164,7 +165,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "Ranks up",
         "Are all ranks alive? Share of the run's ranks that pushed within the liveness TTL.",
-        f"avg by (run) (trainpatrol_rank_up{{{RANK}}})",
+        f"avg by (run) (trainpatrol_rank_up{{{RUN}}})",
         "percentunit", ((None, RED), (1, GREEN)),
         "100 %",
         "A dead or stalled rank blocks every collective: capture stacks, check the node and the process, "
@@ -176,7 +177,7 @@ CHECKS: tuple[Check, ...] = (
         "Firing alerts",
         "Which runs have trainpatrol alerts firing right now? Count of firing alerts labelled with the run.",
         'count by (run) (ALERTS{alertname=~"TrainPatrol.*", alertstate="firing", run=~"$run", run!=""}) '
-        f"or 0 * max by (run) (trainpatrol_rank_up{{{RANK}}})",
+        f"or 0 * max by (run) (trainpatrol_rank_up{{{RUN}}})",
         "short", ((None, GREEN), (1, RED)),
         "0",
         "Open the firing alert's runbook from the alerts table.",

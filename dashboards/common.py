@@ -7,7 +7,7 @@ docs/dashboards.md is generated from those descriptions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,15 +33,33 @@ DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # container and node; Prometheus adds instance (the agent) and, as an external or target label,
 # cluster. "node" is the node's name (the `node` label), not the agent's address. An empty label
 # matches "All" (.*), so the dashboards also work off Kubernetes.
+#
+# Fleet scale: a run may have 1,024 ranks, so no panel draws a line per rank by default. RUN selects
+# every rank of the selected runs, whatever the rank variable says: per-run aggregates (min, median,
+# max) and the named outlier ranks read it. RANK narrows it to the ranks picked in the rank variable,
+# a drill-down that selects none by default (NO_RANK): only the drill-down queries read it.
 WHERE = 'cluster=~"$cluster", namespace=~"$namespace"'
-RANK = WHERE + ', run=~"$run", rank=~"$rank", node=~"$node"'
+RUN = WHERE + ', run=~"$run", node=~"$node"'
+RANK = RUN + ', rank=~"$rank"'
 NODE = 'cluster=~"$cluster", node=~"$node"'
-NODES = 'label_values(trainpatrol_rank_info{' + WHERE + ', run=~"$run", rank=~"$rank"}, node)'
+NODES = 'label_values(trainpatrol_rank_info{' + WHERE + ', run=~"$run"}, node)'
+NO_RANK = "(none)"
+"""The rank variable's default: an option no rank matches, so a dashboard opens without per-rank lines.
+Grafana selects a multi-value variable's first option when nothing is selected, so "none" must be an
+option of its own; "(none)" sorts before the ranks."""
+RANKS = ('query_result(max by (rank) (trainpatrol_rank_info{' + WHERE + ', run=~"$run"}) '
+         f'or label_replace(vector(1), "rank", "{NO_RANK}", "", ""))')
+RANKS_REGEX = '/rank="([^"]+)"/'
+MAX_LINES = 20
+"""The most lines any panel draws for one run with the variables at their defaults, whatever its size
+(tests/dashboards checks it on a 1,024-rank run). A GPU node dashboard opens on one node; a panel there draws
+at most 20 lines for a node of 8 GPUs."""
 
-# trainpatrol_rank_info renamed so it joins NVML series on (instance, uuid). CPU ranks have no GPU
-# uuid; they are left out, or several of them would collide on the "one" side of group_left.
+# trainpatrol_rank_info renamed so it joins NVML series on (instance, uuid), for every rank of the
+# selected runs (the rank drill-down does not narrow it). CPU ranks have no GPU uuid; they are left
+# out, or several of them would collide on the "one" side of group_left.
 RANK_GPU = (
-    'max by (instance, uuid, run, rank) (label_replace(trainpatrol_rank_info{' + RANK + ', gpu_uuid!=""}, '
+    'max by (instance, uuid, run, rank) (label_replace(trainpatrol_rank_info{' + RUN + ', gpu_uuid!=""}, '
     '"uuid", "$1", "gpu_uuid", "(.+)"))'
 )
 # Every GPU some rank uses, whatever the run and rank variables say.
@@ -49,7 +67,7 @@ ANY_RANK_GPU = 'label_replace(trainpatrol_rank_info{gpu_uuid!=""}, "uuid", "$1",
 
 
 def on_gpu(expr: str) -> str:
-    """``expr`` (per GPU, keeping instance and uuid) on the selected ranks' GPUs, labelled with run and rank."""
+    """``expr`` (per GPU, keeping instance and uuid) on the selected runs' GPUs, labelled with run and rank."""
     return f"{expr} * on (instance, uuid) group_left (run, rank) {RANK_GPU}"
 
 
@@ -62,6 +80,64 @@ def on_node_gpu(expr: str) -> str:
     idle = f"{expr} unless on (instance, uuid) {ANY_RANK_GPU}"
     idle = f'label_replace(label_replace({idle}, "run", "-", "", ""), "rank", "-", "", "")'
     return f"({on_gpu(expr)}) or on (instance, uuid) {idle}"
+
+
+RI = "$__rate_interval"
+WHOLE = "[$__range] @ end()"
+"""The whole time range, evaluated once at its end: outlier ranks are ranked over it, so a panel names the
+same ranks at every step (a topk evaluated step by step names other ranks at each, a line each)."""
+OUTLIERS = 3
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """A value per (run, rank) for a label selector (RUN or RANK): ``now`` at each step of the graph,
+    ``whole`` over the whole time range (WHOLE), by which outlier ranks are ranked."""
+
+    now: Callable[[str], str]
+    whole: Callable[[str], str]
+
+
+def gauge(metric: str, over: str = "avg") -> PerRank:
+    """A rank gauge; outliers by its ``over`` (avg, max, min) over the time range."""
+    return PerRank(lambda sel: f"max by (run, rank) ({metric}{{{sel}}})",
+                   lambda sel: f"max by (run, rank) ({over}_over_time({metric}{{{sel}}}{WHOLE}))")
+
+
+def rate(metric: str) -> PerRank:
+    """A rank counter per second; outliers by its increase over the time range."""
+    return PerRank(lambda sel: f"sum by (run, rank) (rate({metric}{{{sel}}}[{RI}]))",
+                   lambda sel: f"sum by (run, rank) (increase({metric}{{{sel}}}{WHOLE}))")
+
+
+def increase(metric: str) -> PerRank:
+    """A rank counter's increase per interval (bars); outliers by its increase over the time range."""
+    return PerRank(lambda sel: f"sum by (run, rank) (increase({metric}{{{sel}}}[{RI}]))",
+                   lambda sel: f"sum by (run, rank) (increase({metric}{{{sel}}}{WHOLE}))")
+
+
+def spread(v: PerRank, what: str = "", stats: Sequence[str] = ("min", "median", "max")) -> list[Q]:
+    """The run's lowest, median and highest rank: a line each per run, whatever the number of ranks."""
+    suffix = f" {what}," if what else ""
+    exprs = {"min": f"min by (run) ({v.now(RUN)})", "median": f"quantile by (run) (0.5, {v.now(RUN)})",
+             "max": f"max by (run) ({v.now(RUN)})"}
+    return [Q(exprs[s], f"{{{{run}}}}{suffix} {s} rank") for s in stats]
+
+
+def outliers(v: PerRank, what: str, *, low: bool = False, nonzero: bool = False) -> Q:
+    """The OUTLIERS ranks of each run with the highest (``low``: lowest) value over the time range, named.
+
+    ``nonzero``: only ranks whose value over the range is above 0 (a counter that moved), so a quiet run
+    names no rank."""
+    pick = "bottomk" if low else "topk"
+    ranked = v.whole(RUN) + (" > 0" if nonzero else "")
+    return Q(f"{v.now(RUN)} and on (run, rank) {pick} by (run) ({OUTLIERS}, {ranked})",
+             f"{{{{run}}}} rank {{{{rank}}}} {what}")
+
+
+def drill(v: PerRank, what: str = "") -> Q:
+    """The ranks picked in the rank variable (none by default), a line each."""
+    return Q(v.now(RANK), "{{run}} rank {{rank}}" + (f" {what}" if what else ""))
 
 
 def runbook(alert: str) -> str:
@@ -105,19 +181,21 @@ ACTION_COLORS = {"checkpoint": "blue", "pause": "orange", "resume": "green", "st
 
 
 def action_expr(action: str) -> str:
-    """Ranks that carried out ``action`` in the last interval, as a Prometheus annotation query.
+    """Runs that carried out ``action`` in the last interval, as a Prometheus annotation query.
 
-    The counter's series for an (action, outcome) appears only when that first happens, and
-    increase() cannot see a series' first sample: the second half catches series that are new.
+    Each agent serves a run's actions once, as the most any of its ranks reports, so the annotation is
+    one per run and action whatever the number of ranks; max over agents. The counter's series for an
+    (action, outcome) appears only when that first happens, and increase() cannot see a series' first
+    sample: the second half catches series that are new.
     """
-    sel = "trainpatrol_actions_total{" + f'action="{action}", {RANK}' + "}"
-    by = "sum by (run, rank, action, outcome)"
+    sel = "trainpatrol_run_actions_total{" + f'action="{action}", {WHERE}, run=~"$run"' + "}"
+    by = "max by (run, action, outcome)"
     return (f"{by} (increase({sel}[$__rate_interval])) > 0 "
             f"or {by} ({sel} unless {sel} offset $__rate_interval) > 0")
 
 
 def action_annotations() -> list[cogbuilder.Builder[dm.AnnotationQuery]]:
-    """The control actions (checkpoint, pause, resume, stop) as annotations."""
+    """The control actions (checkpoint, pause, resume, stop) as annotations, one per run."""
     return [
         Prebuilt(
             PromAnnotation(
@@ -128,8 +206,8 @@ def action_annotations() -> list[cogbuilder.Builder[dm.AnnotationQuery]]:
                 icon_color=color,
                 expr=action_expr(action),
                 title_format=f"{action} ({{{{outcome}}}})",
-                text_format="run {{run}} rank {{rank}}",
-                tag_keys="run,rank,action,outcome",
+                text_format="run {{run}}",
+                tag_keys="run,action,outcome",
                 step="15s",
             )
         )
@@ -137,11 +215,15 @@ def action_annotations() -> list[cogbuilder.Builder[dm.AnnotationQuery]]:
     ]
 
 
-def variables(node_query: str) -> list[cogbuilder.Builder[dm.VariableModel]]:
-    """datasource, cluster, namespace, run, rank and node (the node's name), in that order."""
+def variables(node_query: str, *, one_node: bool = False) -> list[cogbuilder.Builder[dm.VariableModel]]:
+    """datasource, cluster, namespace, run, rank and node (the node's name), in that order.
 
-    def query_var(name: str, label: str, query: str) -> db.QueryVariable:
-        return (
+    rank is a drill-down: it opens at NO_RANK, so only the ranks a user picks get lines of their own.
+    ``one_node``: node has no "All" and opens at its first node, for views that draw lines per GPU.
+    """
+
+    def query_var(name: str, label: str, query: str, *, include_all: bool = True) -> db.QueryVariable:
+        v = (
             db.QueryVariable(name)
             .label(label)
             .datasource(DS)
@@ -149,22 +231,30 @@ def variables(node_query: str) -> list[cogbuilder.Builder[dm.VariableModel]]:
             .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(dm.VariableSort.NATURAL_ASC)
             .multi(True)
-            .include_all(True)
-            .all_value(".*")
-            .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+            .include_all(include_all)
         )
+        if not include_all:  # no current value: Grafana selects the first option
+            return v
+        return v.all_value(".*").current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
 
+    rank = (
+        query_var("rank", "Rank (drill-down)", RANKS)
+        .regex(RANKS_REGEX)
+        .current(dm.VariableOption(selected=True, text=[NO_RANK], value=[NO_RANK]))
+        .description("Ranks to draw one line each for, beside the run's aggregates and outlier ranks; "
+                     f"{NO_RANK} draws none.")
+    )
     return [
         db.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         query_var("cluster", "Cluster", "label_values(trainpatrol_rank_info, cluster)"),
         query_var("namespace", "Namespace", 'label_values(trainpatrol_rank_info{cluster=~"$cluster"}, namespace)'),
         query_var("run", "Run", "label_values(trainpatrol_rank_info{" + WHERE + "}, run)"),
-        query_var("rank", "Rank", "label_values(trainpatrol_rank_info{" + WHERE + ', run=~"$run"}, rank)'),
-        query_var("node", "Node", node_query),
+        rank,
+        query_var("node", "Node", node_query, include_all=not one_node),
     ]
 
 
-def dashboard(title: str, uid: str, about: str, node_query: str) -> db.Dashboard:
+def dashboard(title: str, uid: str, about: str, node_query: str, *, one_node: bool = False) -> db.Dashboard:
     """A dashboard with the shared variables, action annotations and generated-by marker."""
     return (
         db.Dashboard(title)
@@ -175,7 +265,7 @@ def dashboard(title: str, uid: str, about: str, node_query: str) -> db.Dashboard
         .refresh("30s")
         .time("now-6h", "now")
         .timezone("browser")
-        .variables(variables(node_query))
+        .variables(variables(node_query, one_node=one_node))
         .annotations(action_annotations())
         .link(
             db.DashboardLink("trainpatrol dashboards")
@@ -307,14 +397,14 @@ def stat_panel(
 
 def state_timeline(
     title: str, question: str, q: Q, *, mappings: Sequence[dm.ValueMapping], thresholds: db.ThresholdsConfig,
-    w: int = 12, h: int = 8,
+    more: Sequence[Q] = (), w: int = 12, h: int = 8,
 ) -> statetimeline.Panel:
     return (
         statetimeline.Panel()
         .title(title)
         .description(question)
         .datasource(DS)
-        .targets([target(q)])
+        .targets([target(x) for x in (q, *more)])
         .mappings(list(mappings))
         .thresholds(thresholds)
         .color_scheme(db.FieldColor().mode(dm.FieldColorModeId.THRESHOLDS))

@@ -20,7 +20,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as dm
 
 from dashboards import checklist, gpu_node, gpu_node_dcgm, timeline
-from dashboards.common import MARKER
+from dashboards.common import MARKER, MAX_LINES, OUTLIERS
 
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parent / "docs" / "dashboards.md"
@@ -50,14 +50,25 @@ def render_docs(models: dict[str, dm.Dashboard]) -> str:
         "- Variables: `datasource` (any Prometheus), `cluster`, `namespace`, `run`, `rank` and `node` (the",
         "  node's name: the `node` label, or `Hostname` on DCGM series; not the agent's address).",
         "  Every query uses `${datasource}`, so no datasource UID is baked in.",
-        "- Annotations: the control actions `checkpoint`, `pause`, `resume` and `stop`, read from increases",
-        "  of `trainpatrol_actions_total{run,rank,action,outcome}`.",
+        f"- Fleet scale: no panel draws more than {MAX_LINES} lines for one run with the variables at their",
+        "  defaults, be it of 1,024 ranks. The run timeline draws per run the lowest, median and highest",
+        f"  rank and names its {OUTLIERS} outlier ranks (`topk`, or `bottomk` where low is bad, ranked over the",
+        "  whole time range with `@ end()`, so the same ranks all along); the checklist shows one value per",
+        "  run. `rank` is a drill-down: it opens at `(none)`, and each rank picked there gets lines of its",
+        "  own (`rank=~\"$rank\"`); aggregates and outliers ignore it. The GPU node dashboards open on one",
+        "  node, a line or two per GPU, rather than on all nodes.",
+        "- Annotations: the control actions `checkpoint`, `pause`, `resume` and `stop`, one per run, read from",
+        "  increases of `trainpatrol_run_actions_total{run,action,outcome}` (max over agents).",
         "- Queries read raw trainpatrol metrics, not recording rules, so the dashboards work as soon as",
-        "  Prometheus scrapes an agent. GPU panels join NVML series to ranks through",
-        "  `trainpatrol_rank_info{gpu_uuid}` relabelled to `uuid`.",
+        "  Prometheus scrapes an agent at its default series level (`--series standard`): step-time",
+        "  quantiles come from the run's histogram `trainpatrol_run_step_duration_seconds` (summed over",
+        "  agents), and no panel reads a series served only at `--series full`. GPU panels join NVML series",
+        "  to ranks through `trainpatrol_rank_info{gpu_uuid}` relabelled to `uuid`.",
         "- `tests/dashboards/test_dashboards.py` regenerates and compares the JSON, parses every query with",
-        "  `promtool`, and runs every query against a live Prometheus scraping a demo run: a panel that",
-        "  shows no data fails the test.",
+        "  `promtool`, runs every query against a live Prometheus scraping a demo run (a panel that shows no",
+        "  data fails the test), and evaluates every panel at the default variables against a synthetic",
+        f"  1,024-rank run: more than {MAX_LINES} lines in a panel fails, and so does an outlier panel that",
+        "  does not name the run's one slow rank.",
         "",
         "Below, each panel and the question it answers.",
         "",

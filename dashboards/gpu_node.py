@@ -10,6 +10,7 @@ from dashboards.common import (
     DS,
     NODE,
     RANK_GPU,
+    WHOLE,
     Q,
     dashboard,
     finish,
@@ -25,7 +26,9 @@ from dashboards.common import (
 UID = "trainpatrol-gpu-node"
 TITLE = "trainpatrol / GPU node"
 ABOUT = ("NVML readings per GPU of the selected nodes, joined through the GPU uuid to the runs and ranks "
-         "that use them. Picking a run or rank narrows the panels to its GPUs plus the GPUs no rank uses.")
+         "that use them. It opens on one node, a line or two per GPU (at most 20 lines on a node of 8 "
+         "GPUs); pick more nodes for more lines. Picking a run narrows the panels to its GPUs plus the GPUs no "
+         "rank uses (run and rank \"-\"); the rank drill-down does not narrow them.")
 
 LEGEND = "{{node}} GPU {{gpu}} (run {{run}} rank {{rank}})"
 RI = "$__rate_interval"
@@ -53,7 +56,7 @@ def inventory() -> table.Panel:
         table.Panel()
         .title("GPUs and the ranks that use them")
         .description("Which GPUs does each node have, which run and rank uses each one, and which driver "
-                     "and PCI slot is it on? GPUs no selected rank uses show an empty run.")
+                     "and PCI slot is it on? GPUs no rank of the selected runs uses show an empty run.")
         .datasource(DS)
         .targets([target(Q(expr), instant=True, table=True)])
         .with_transformation(dm.DataTransformerConfig("organize", options={
@@ -83,7 +86,7 @@ def energy() -> bargauge.Panel:
 
 
 def build() -> dm.Dashboard:
-    d = dashboard(TITLE, UID, ABOUT, 'label_values(trainpatrol_gpu_info{cluster=~"$cluster"}, node)')
+    d = dashboard(TITLE, UID, ABOUT, 'label_values(trainpatrol_gpu_info{cluster=~"$cluster"}, node)', one_node=True)
     d = d.tooltip(dm.DashboardCursorSync.CROSSHAIR).time("now-3h", "now")
     d = d.with_row(row("Inventory")).with_panel(inventory())
 
@@ -151,9 +154,11 @@ def build() -> dm.Dashboard:
     ))
     d = d.with_panel(state_timeline(
         "Throttle reasons",
-        "Which clock-event (throttle) reasons were active on each GPU, and when?",
-        Q(_gauge("trainpatrol_gpu_clock_event_active", "reason"), "{{node}} GPU {{gpu}} {{reason}}"),
-        mappings=[value_map({"0": ("inactive", "transparent"), "1": ("active", "orange")})],
+        "Which clock-event (throttle) reasons were active on the node's GPUs, and when? A row per reason "
+        "(9 at most) per node, coloured while it is active on any GPU; the value is how many GPUs.",
+        Q(f"sum by (node, reason) (max by ({_by('reason')}) (trainpatrol_gpu_clock_event_active{{{NODE}}}))",
+          "{{node}} {{reason}}"),
+        mappings=[value_map({"0": ("inactive", "transparent")})],
         thresholds=steps((None, "transparent"), (1, "orange")), w=24, h=10,
     ))
 
@@ -164,27 +169,37 @@ def build() -> dm.Dashboard:
         [Q(_counter("trainpatrol_gpu_ecc_errors_total", RI, "type"), LEGEND + " {{type}}")],
         unit="short", minimum=0, bars=True, w=8,
     ))
+    # Per state (4) and cause (2) summed over the node's GPUs, and per GPU summed over states and causes:
+    # 14 lines on a node of 8 GPUs, not 6 a GPU.
+    rows_pages = (f"max by ({_by('state')}) (trainpatrol_gpu_remapped_rows{{{NODE}}}) or "
+                  f'label_replace(max by ({_by("cause")}) (trainpatrol_gpu_retired_pages{{{NODE}}}), '
+                  '"state", "retired pages ($1)", "cause", "(.*)")')
     d = d.with_panel(ts(
         "Remapped rows and retired pages",
-        "Has the GPU remapped memory rows (Ampere and later) or retired pages (older GPUs), did a remap "
-        "fail, or is one pending a reset?",
-        [Q(on_node_gpu(
-            f"max by ({_by('state')}) (trainpatrol_gpu_remapped_rows{{{NODE}}}) or "
-            f'label_replace(max by ({_by("cause")}) (trainpatrol_gpu_retired_pages{{{NODE}}}), '
-            '"state", "retired pages ($1)", "cause", "(.*)")'), LEGEND + " {{state}}")],
+        "Has a GPU remapped memory rows (Ampere and later) or retired pages (older GPUs), did a remap "
+        "fail, or is one pending a reset? Each state summed over the node's GPUs, and each GPU's rows and "
+        "pages in all states.",
+        [
+            Q(f"sum by (node, state) ({rows_pages})", "{{node}} {{state}}, all GPUs"),
+            Q(on_node_gpu(f"sum by ({_by()}) ({rows_pages})"), LEGEND + " rows and pages"),
+        ],
         unit="short", minimum=0, w=8,
     ))
-    # The xid series appear with the first error; a GPU without any shows xid="none" at 0.
+    # A GPU without XID errors has no xid series: it shows 0. The codes: the node's 3 most frequent over
+    # the time range (xid "none" at 0 when the node has had none).
+    xids = f"trainpatrol_gpu_xid_errors_total{{{NODE}}}"
     xid = on_node_gpu(
-        f"(sum by ({_by('xid')}) (increase(trainpatrol_gpu_xid_errors_total{{{NODE}}}[{RI}])) "
-        f'or on (instance, uuid) label_replace(0 * max by ({_by()}) (trainpatrol_gpu_info{{{NODE}}}), '
-        '"xid", "none", "", ""))'
+        f"(sum by ({_by()}) (increase({xids}[{RI}])) "
+        f"or on (instance, uuid) 0 * max by ({_by()}) (trainpatrol_gpu_info{{{NODE}}}))"
     )
+    codes = (f"(sum by (node, xid) (increase({xids}[{RI}])) and on (node, xid) "
+             f"topk by (node) (3, sum by (node, xid) (increase({xids}{WHOLE})))) "
+             f'or label_replace(0 * max by (node) (trainpatrol_gpu_info{{{NODE}}}), "xid", "none", "", "")')
     d = d.with_panel(ts(
         "XID errors",
-        "Did the driver report XID errors on a GPU, and which codes? Errors per interval by code "
-        '(xid "none" at 0 when a GPU has had none).',
-        [Q(xid, LEGEND + " xid {{xid}}")],
+        "Did the driver report XID errors on a GPU, and which codes? Errors per interval on each GPU, and "
+        'per code on the node for its 3 most frequent codes over the time range (xid "none" at 0).',
+        [Q(xid, LEGEND + " XIDs"), Q(codes, "{{node}} xid {{xid}}, all GPUs")],
         unit="short", minimum=0, bars=True, w=8,
     ))
 
