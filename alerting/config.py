@@ -24,7 +24,7 @@ ALERT_PREFIX = "TrainPatrol"
 ALERTS: tuple[str, ...] = (
     "NonFiniteLoss", "NonFiniteGrad", "GradNormExplosion", "LossSpike", "LossStagnation",
     "ValLossDiverging", "MemoryFragmentationHigh", "AllocRetries", "OOMRisk", "DataLoaderBound",
-    "GPUUnderutilized", "RankStalled", "RankDown", "Straggler", "CheckpointsBlockTraining", "GPUXidError",
+    "GPUUnderutilized", "RankHung", "RankStalled", "RankDown", "Straggler", "CheckpointsBlockTraining", "GPUXidError",
     "ThermalThrottle", "EccUncorrectable", "RowRemapFailure", "AgentDown",
 )
 """Alert names without the prefix, in the order they are rendered and documented."""
@@ -41,6 +41,7 @@ DEFAULT_FOR: dict[str, str] = {
     "OOMRisk": "5m",
     "DataLoaderBound": "3m",  # over a 2m window; measured: see alerting/README.md
     "GPUUnderutilized": "15m",
+    "RankHung": "1m",  # Patrol reports a stall after PatrolConfig.stall_seconds (60 s): about two minutes in all
     "RankStalled": "5m",
     "RankDown": "1m",
     "Straggler": "15m",

@@ -59,6 +59,10 @@ RANK_STATE_HALTED = RANK_STATES.index("pausing")
 RANK_STATE_FINISHED = RANK_STATES.index("stopped")
 """From this value on, a rank stopped or closed on purpose: it is not down."""
 RANK_HALTED = "run_rank:trainpatrol_rank_state:halted"
+RANK_STALLED = "run_rank:trainpatrol_rank_stalled_phase:stalled"
+"""The phase (``trainpatrol_rank_stalled_phase``) of each rank whose training thread Patrol found stuck."""
+STALL_PHASES = ("", "data", "forward", "backward", "optimizer", "collective", "boundary")
+"""``trainpatrol_rank_stalled_phase``'s encoding (trainpatrol.probe.stall_watch.PHASES)."""
 """1 for each rank that is pausing, paused, stopping, stopped or closed, or down (``rank_up`` 0)."""
 
 # Annotation template pieces (Go templates, rendered by Prometheus).
@@ -175,13 +179,17 @@ def increased(cfg: Config, counter: str, window: str, threshold: float = 0) -> s
     )
 
 
-def unless_halted(on: str, window: str) -> str:
+def unless_halted(on: str, window: str, stalled: bool = True) -> str:
     """The clause that drops what a halted rank (``RANK_HALTED``) says, now or within ``window``:
     by the rank itself (``on`` = ``RANK_ON``) or by its whole run (``on`` = ``RUN_ON``). Liveness and
     progress alerts judge only ranks that train: a paused, stopping, stopped, closed or dead rank
     makes no progress on purpose or is RankDown's business, and a rate over ``window`` still holds
-    its last steps for that long."""
-    return f"unless on ({on})\n  max_over_time({RANK_HALTED}[{window}])"
+    its last steps for that long. ``stalled``: also while a rank is stalled (RankHung's business), so a hung
+    run raises one alarm, not loss stagnation or an idle GPU as well."""
+    halted = f"max_over_time({RANK_HALTED}[{window}])"
+    if stalled:
+        halted = f"(\n  {halted}\n  or\n  max_over_time({RANK_STALLED}[{window}])\n)"
+    return f"unless on ({on})\n  {halted}"
 
 
 def on_rank(cfg: Config, gpu_expr: str, copied: str = "", pick: str = "topk") -> str:

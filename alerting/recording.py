@@ -21,6 +21,7 @@ from .promql import (
     RANK_COPIED,
     RANK_HALTED,
     RANK_INFO,
+    RANK_STALLED,
     RANK_STATE_HALTED,
     Group,
     Recording,
@@ -84,6 +85,8 @@ def group(cfg: Config) -> Group:
             f"  {halted_state} >= {RANK_STATE_HALTED}\n  or\n"
             f"  1 - {s('trainpatrol_rank_up')} > 0\n)",
         ),
+        # Ranks that Patrol found stuck, by phase: RankHung names the odd one; other alerts look away.
+        Recording(RANK_STALLED, f"{s('trainpatrol_rank_stalled_phase')} > 0"),
         # Time waiting for data over step time: above about 0.3 the GPU starves. The 2m ratio is the
         # one TrainPatrolDataLoaderBound reads (alerting/README.md: chosen from measurements).
         Recording(

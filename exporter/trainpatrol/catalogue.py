@@ -99,6 +99,7 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "guard_trips_total", "counter", "", "Local guard trips, by guard. At the standard series level, only the guards that tripped at least once.", "guard"),
     _r(P + "guard_active", "gauge", "", "1 while a local guard's condition holds at the last read step.", "guard"),
     _r(P + "rank_state", "gauge", "", "The rank's control state: 0 running, 1 pausing, 2 paused, 3 stopping, 4 stopped, 5 closed (>= 1: not training on purpose; >= 4: finished)."),
+    _r(P + "rank_stalled_phase", "gauge", "", "0 while the rank reaches step boundaries; once it has not for PatrolConfig.stall_seconds (or stall_step_multiple times its step time), the phase its training thread is stuck in: 1 waiting for data, 2 forward, 3 backward (under DDP also the wait for peers in the gradient all-reduce), 4 optimizer, 5 a collective, 6 Patrol's step boundary."),
     _r(P + "actions_total", "counter", "", "Control actions carried out by the rank, by action and outcome (per run at the standard level: trainpatrol_run_actions_total).", "action", "outcome"),
     _r(P + "checkpoint_failures_total", "counter", "", "Checkpoint writes that failed and left the previous one in place."),
     _r(P + "checkpoint_blocked_seconds_total", "counter", "seconds", "Training time spent waiting for checkpoints: a checkpoint action's staging in host memory (it is written in the background), a pause's or stop's whole write."),
@@ -194,7 +195,7 @@ def render_markdown() -> str:
         "",
         f"A 1,024-rank job shares its Prometheus with everything else, so one rank costs at most {SERIES_BUDGET} series at",
         "the agent's default series level, `standard` (a GPU rank on the README loop with a validation loss, a",
-        "GradScaler and two parameter groups: 38, the agent's liveness series included; `tests/agent/test_series_budget.py`).",
+        "GradScaler and two parameter groups: 39, the agent's liveness series included; `tests/agent/test_series_budget.py`).",
         "At that level the agent leaves out the metrics marked *full* below, every step-duration bucket of a rank but",
         "`+Inf` (its `_sum` and `_count` stay), and `trainpatrol_guard_trips_total` of guards that never tripped.",
         "What is the same on every rank of a run is served once per run instead: `trainpatrol_run_actions_total`",
@@ -202,7 +203,7 @@ def render_markdown() -> str:
         "histograms summed, for the run's quantiles). The rank's control state is one gauge,",
         "`trainpatrol_rank_state`, whose value encodes the state. Every series an alert reads is served from the",
         "rank's first push, counters at 0. `trainpatrol agent --series full` (Helm: `agent.series: full`) serves",
-        "everything, 101 series for the same rank.",
+        "everything, 102 series for the same rank.",
         "",
     ]
     titles = {"rank": "Rank metrics (pushed by Patrol)", "agent": "Agent metrics", "nvml": "GPU metrics (NVML)"}

@@ -33,7 +33,7 @@ EXPECTED_ALERTS = {
     for n in (
         "NonFiniteLoss", "NonFiniteGrad", "GradNormExplosion", "LossSpike", "LossStagnation",
         "ValLossDiverging", "MemoryFragmentationHigh", "AllocRetries", "OOMRisk", "DataLoaderBound",
-        "GPUUnderutilized", "RankStalled", "RankDown", "Straggler", "CheckpointsBlockTraining", "GPUXidError",
+        "GPUUnderutilized", "RankHung", "RankStalled", "RankDown", "Straggler", "CheckpointsBlockTraining", "GPUXidError",
         "ThermalThrottle", "EccUncorrectable", "RowRemapFailure", "AgentDown",
     )
 }

@@ -74,6 +74,11 @@ class PatrolConfig:
     checkpoint_every_seconds: float = 0.0
     """A ``checkpoint`` once this many seconds have passed since the last periodic one (0: none); rank 0 asks,
     every rank takes it at the same step."""
+    stall_seconds: float = 60.0
+    """A rank that has not reached a step boundary for this long, or ``stall_step_multiple`` times its recent
+    step time if longer, is stalled: Patrol's publisher thread captures it (stacks, the phase it is stuck in)
+    into ``<evidence_dir>/stall-step<N>/`` and exports the phase (``trainpatrol_rank_stalled_phase``)."""
+    stall_step_multiple: float = 10.0
     checkpoint_format: str = "auto"
     """``torch``: the model and optimizer state, whole, in one file that rank 0 writes (replicated state:
     DDP, one process). ``dcp``: every rank writes its shards through torch.distributed.checkpoint. ``auto``:
@@ -113,6 +118,9 @@ class PatrolConfig:
         if self.checkpoint_every_steps < 0 or not self.checkpoint_every_seconds >= 0:
             raise ValueError(f"`PatrolConfig(checkpoint_every_steps={self.checkpoint_every_steps!r}, "
                              f"checkpoint_every_seconds={self.checkpoint_every_seconds!r})` must be >= 0.")
+        if not (self.stall_seconds > 0 and self.stall_step_multiple > 0):
+            raise ValueError(f"`PatrolConfig(stall_seconds={self.stall_seconds!r}, stall_step_multiple="
+                             f"{self.stall_step_multiple!r})` must be > 0.")
         if self.checkpoint_format not in ("auto", "dcp", "torch"):
             raise ValueError(f"`PatrolConfig(checkpoint_format={self.checkpoint_format!r})`: expected 'auto', 'dcp' "
                              "or 'torch'.")

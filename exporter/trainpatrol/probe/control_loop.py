@@ -65,6 +65,8 @@ class ControlLoop:
             context=context, rearm_guards=rearm_guards)
         self._periodic = PeriodicCheckpoints(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds) \
             if identity.rank == 0 and (cfg.checkpoint_every_steps or cfg.checkpoint_every_seconds) else None
+        self.acting = False
+        """True while the training thread carries out agreed actions (the stall watch looks away)."""
         self.boundary_driven = False
         """Whether the caller runs ``boundary()`` (the loader wrapper, a framework callback, a loop of its own);
         until then Patrol acts from its hook after ``optimizer.step()``."""
@@ -106,5 +108,9 @@ class ControlLoop:
         recorder.probe_since_step += time.perf_counter() - start
         if agreed is not None and agreed.commands:
             recorder.catch_up(wait=True)
-            self.executor.execute(agreed)
+            self.acting = True
+            try:
+                self.executor.execute(agreed)
+            finally:
+                self.acting = False
             recorder.last_step_end = time.perf_counter()

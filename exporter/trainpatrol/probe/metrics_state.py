@@ -47,6 +47,8 @@ class Latest:
     memory: MemoryReading | None = None
     window_peak: float = 0.0
     interval_steps: int = 1
+    stalled_phase: int = 0
+    """0 while the rank steps, else the phase it is stuck in (probe.stall_watch.PHASES)."""
     host_memory: HostMemoryReading | None = None
     """The last host-memory reading (taken where a push is built: Patrol.snapshot)."""
 
@@ -111,6 +113,7 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
         add("guard_trips_total", guards_trips[g], guard=g)
         add("guard_active", 1.0 if guards_active[g] else 0.0, guard=g)
     add("rank_state", RUN_STATES.index(state))
+    add("rank_stalled_phase", latest.stalled_phase)
     for action in ACTIONS:  # every series exists from the start, so increase() sees the first action
         for outcome in ("ok", "failed", "skipped"):
             add("actions_total", record.action_counts.get((action, outcome), 0.0), action=action, outcome=outcome)

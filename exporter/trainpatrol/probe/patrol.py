@@ -38,6 +38,7 @@ from .metrics_state import Latest, Totals
 from .publisher import Publisher
 from .run_key import run_key
 from .snapshot import RankReport, config_dict
+from .stall_watch import StallWatch
 from .step_recorder import StepRecorder
 from .update_hooks import UpdateHooks
 from .window import History
@@ -159,6 +160,10 @@ class Patrol:
                                     checkpointer=self._checkpointer, evidence=self._evidence, training=self._training,
                                     announce=publisher.push_now, context=self._report.evidence_context,
                                     rearm_guards=self._guards.rearm)
+        control = self._control
+        self._report.stall_watch = StallWatch(
+            self._recorder, self._record, self._evidence, cfg.evidence_dir, identity.rank, identity.world_size,
+            multiple=cfg.stall_step_multiple, floor_seconds=cfg.stall_seconds, acting=lambda: control.acting)
         if cfg.record_memory_history:
             set_recording(True)
         if cfg.embedded_agent:

@@ -23,6 +23,7 @@ from .identity import Identity
 from .loader import LoaderTracker
 from .metrics_state import samples
 from .publisher import Publisher
+from .stall_watch import StallWatch
 from .step_recorder import StepRecorder
 from .workload import Workload
 
@@ -53,6 +54,8 @@ class RankReport:
         self._publisher_share = 0.0
         self.seq = 0
         self._instance = secrets.token_hex(8)
+        self.stall_watch: StallWatch | None = None
+        """Set once it exists: each push says whether the training thread is stuck, and where."""
 
     def snapshot(self) -> dict[str, Any]:
         """The push payload (see trainpatrol.protocol.RankSnapshot). From the training thread it holds
@@ -61,6 +64,8 @@ class RankReport:
         if recorder.rows_waiting and threading.get_ident() == recorder.owner:
             recorder.fold_in()
         self._read_host_memory()
+        if self.stall_watch is not None:
+            recorder.latest.stalled_phase = self.stall_watch.check()
         self.seq += 1
         ident, totals, record = self.identity, recorder.totals, self.record
         return {

@@ -1,0 +1,146 @@
+"""Hang forensics: a rank whose training thread has not reached a step boundary for long is captured from the
+publisher's thread (the training thread is the one that hangs), with the phase it is stuck in.
+
+The phase is read from the training thread's stack, so finding it costs the training loop nothing: waiting for
+data (the DataLoader), forward (the model, or the user's code), backward (under DDP also the wait in the gradient
+all-reduce for the slowest peer), optimizer, a collective the user called, or Patrol's own step boundary
+(its control-word exchange waits for the other ranks). In a hung lock-step job every rank stalls; the ranks
+that wait for a peer stall in the same phase, and the rank that is not where the others are is the one to look
+at. Each stalled rank writes its part of ``<evidence_dir>/stall-step<step>/`` (all-thread stacks, phase, step,
+seconds since its last step); rank 0 then waits a little for the others' parts (a shared evidence directory)
+and writes ``stall.json``, which names the odd ranks, and the bundle's report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ..control.evidence_writer import EvidenceWriter
+from ..control.run_record import RunRecord
+from .step_recorder import StepRecorder
+
+log = logging.getLogger("trainpatrol")
+
+PHASES = ("", "data", "forward", "backward", "optimizer", "collective", "boundary")
+"""``trainpatrol_rank_stalled_phase``: 0 while the rank steps, else the index of the phase it is stuck in."""
+
+_MARKERS = (  # (phase, a path fragment of a frame's file, or the name of its function), first match wins
+    ("boundary", "trainpatrol/probe/control_loop.py"), ("boundary", "trainpatrol/control/"),
+    ("data", "torch/utils/data/"), ("data", "trainpatrol/probe/loader.py"),
+    ("optimizer", "torch/optim/"),
+    ("collective", "torch/nn/parallel/distributed.py"), ("collective", "torch/distributed/"),
+    ("backward", "torch/autograd/"), ("backward", "torch/_tensor.py:backward"),
+)
+
+
+def phase_of(frame: FrameType | None) -> str:
+    """The phase a thread is in, from its stack (``frame``: its innermost frame)."""
+    places = []
+    while frame is not None:
+        code = frame.f_code
+        places.append(f"{code.co_filename.replace(chr(92), '/')}:{code.co_name}")
+        frame = frame.f_back
+    for phase, marker in _MARKERS:
+        if any(marker in place for place in places):
+            return phase
+    return "forward"
+
+
+def odd_ranks(phases: dict[int, str]) -> list[int]:
+    """The ranks not in the phase most ranks are stuck in (none when all agree or only one rank answered)."""
+    if len(phases) < 2:
+        return []
+    common, count = Counter(phases.values()).most_common(1)[0]
+    if count == len(phases):
+        return []
+    return sorted(r for r, p in phases.items() if p != common)
+
+
+class StallWatch:
+    def __init__(self, recorder: StepRecorder, record: RunRecord, evidence: EvidenceWriter, evidence_dir: str,
+                 rank: int, world_size: int, *, multiple: float, floor_seconds: float,
+                 acting: Callable[[], bool]) -> None:
+        """``acting``: whether the training thread carries out an action (a checkpoint's write is no stall)."""
+        self._recorder, self._record, self._evidence, self._acting = recorder, record, evidence, acting
+        self._dir, self._rank, self._world = Path(evidence_dir), rank, world_size
+        self._multiple, self._floor = multiple, floor_seconds
+        self._captured_step = -1
+
+    def threshold(self) -> float:
+        """Seconds without a step boundary after which the rank counts as stalled."""
+        history = self._recorder.history
+        recent = history.median("step_seconds", 20) if history.records else 0.0
+        return max(self._floor, self._multiple * recent)
+
+    def check(self) -> int:
+        """The phase code to export (0: not stalled); the first check past the threshold captures the rank."""
+        recorder = self._recorder
+        step = recorder.totals.steps
+        if self._record.state != "running" or step == 0 or self._acting():
+            return 0
+        since = time.perf_counter() - recorder.last_step_end
+        threshold = self.threshold()
+        if since < threshold:
+            return 0
+        phase = phase_of(sys._current_frames().get(recorder.owner))
+        if self._captured_step != step:
+            self._captured_step = step
+            self._capture(step, phase, since, threshold)
+        return PHASES.index(phase)
+
+    def _capture(self, step: int, phase: str, since: float, threshold: float) -> None:
+        bundle = self._dir / f"stall-step{step:08d}"
+        facts = {"rank": self._rank, "step": step, "phase": phase, "seconds_since_step": round(since, 3),
+                 "threshold_seconds": round(threshold, 3), "time": time.time()}
+        log.error("trainpatrol: rank %d stalled at step %d for %.0f s, in %s; stacks in %s", self._rank, step,
+                  since, phase, bundle)
+        try:
+            self._evidence.part(bundle, {"stall": facts},
+                                nvml={"available": False, "reason": "not fetched for a stall capture"})
+        except OSError as exc:
+            log.warning("trainpatrol: stall evidence not written: %s", exc)
+            return
+        self._record.last_evidence = str(bundle)
+        if self._rank == 0:
+            threading.Thread(target=self._name_the_odd_ranks, args=(bundle, step, threshold),
+                             name="trainpatrol-stall-index", daemon=True).start()
+
+    def _name_the_odd_ranks(self, bundle: Path, step: int, threshold: float) -> None:
+        """On rank 0: the ranks' parts side by side (waiting 5 s, or a quarter of the threshold, for them), the odd
+        ranks named in ``stall.json``, then the bundle's manifest and report."""
+        deadline = time.monotonic() + min(30.0, max(5.0, threshold / 4))
+        phases: dict[int, str] = {}
+        while True:
+            phases = _phases(bundle)
+            if len(phases) >= self._world or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        odd = odd_ranks(phases)
+        summary = {"step": step, "world_size": self._world, "phases": {str(r): p for r, p in sorted(phases.items())},
+                   "odd_ranks": odd, "no_part": sorted(set(range(self._world)) - set(phases))}
+        (bundle / "stall.json").write_text(json.dumps(summary, indent=2))
+        log.error("trainpatrol: stall at step %d: %s", step,
+                  f"rank(s) {odd} not where the others are" if odd else f"ranks in {sorted(set(phases.values()))}")
+        self._evidence.index(bundle, {"action": "capture", "step": step, "rank": 0, "stall": summary},
+                             {"source": "stall", "reason": f"no step boundary for {threshold:.0f} s"})
+
+
+def _phases(bundle: Path) -> dict[int, str]:
+    out = {}
+    for part in bundle.glob("rank-*/extra.json"):
+        try:
+            stall: dict[str, Any] = json.loads(part.read_text()).get("stall", {})
+        except (OSError, ValueError):
+            continue
+        if "phase" in stall:
+            out[int(stall["rank"])] = str(stall["phase"])
+    return out

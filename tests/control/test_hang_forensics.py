@@ -1,0 +1,90 @@
+"""A hung lock-step job names the rank that is not where the others are: 4 gloo DDP ranks under torchrun, rank 2
+blocks in its data loading while ranks 0, 1 and 3 wait for it in the gradient all-reduce. Every live rank writes
+its part of the stall bundle (stacks, phase) from Patrol's own thread, rank 0's stall.json names rank 2 and its
+phase, and the agent serves each rank's stalled phase; a run whose loader is slow but steady writes nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from servers import REPO, agent, http_get, python_env, wait_for
+from trainpatrol.probe.stall_watch import PHASES, odd_ranks
+
+WORKER = REPO / "tests" / "control" / "stall_worker.py"
+
+
+def torchrun(tmp: Path, url: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                             str(WORKER)], env=python_env(AGENT_URL=url, OUT=str(tmp), OMP_NUM_THREADS="1", **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stalled_phases(url: str) -> dict[int, int]:
+    out = {}
+    for line in http_get(f"{url}/metrics").decode().splitlines():
+        if line.startswith("trainpatrol_rank_stalled_phase{") and 'run="hang"' in line:
+            rank = int(line.split('rank="')[1].split('"')[0])
+            out[rank] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_reduce(tmp_path: Path) -> None:
+    with agent(tmp_path) as url:
+        job = torchrun(tmp_path, url, STEPS="40", HANG_RANK="2", HANG_AT="30", HANG_SECONDS="25")
+        seen: dict[int, int] = {}
+        try:
+            def all_stalled() -> bool:
+                seen.update(stalled_phases(url))
+                return len(seen) == 4 and all(seen.values())
+            wait_for(all_stalled, 150, interval=0.2, what="every rank reported stalled")
+            assert {r: PHASES[p] for r, p in seen.items()} == {0: "backward", 1: "backward", 2: "data",
+                                                               3: "backward"}
+            summary_file = tmp_path / "evidence" / "stall-step00000030" / "stall.json"
+            wait_for(summary_file.is_file, 30, what="stall.json")
+            summary = json.loads(summary_file.read_text())
+            assert summary["odd_ranks"] == [2] and summary["phases"] == {
+                "0": "backward", "1": "backward", "2": "data", "3": "backward"} and summary["no_part"] == []
+            for r in range(4):
+                part = tmp_path / "evidence" / "stall-step00000030" / f"rank-{r:05d}"
+                assert "MainThread" in (part / "stacks.txt").read_text() or "Current thread" in (
+                    part / "stacks.txt").read_text()
+                assert json.loads((part / "extra.json").read_text())["stall"]["step"] == 30
+            wait_for(lambda: not any(stalled_phases(url).values()), 60, what="the run steps again")
+            output, _ = job.communicate(timeout=120)
+            assert job.returncode == 0, output[-3000:]
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+
+
+def test_a_slow_but_steady_loader_is_no_stall(tmp_path: Path) -> None:
+    with agent(tmp_path) as url:
+        job = torchrun(tmp_path, url, STEPS="12", SLOW_LOADER="0.4")
+        highest: list[int] = [0]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                highest[0] = max([highest[0], *stalled_phases(url).values()])
+                done.wait(0.3)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            output, _ = job.communicate(timeout=150)
+        finally:
+            done.set()
+            watcher.join()
+        assert job.returncode == 0, output[-3000:]
+    assert highest[0] == 0 and not list((tmp_path / "evidence").glob("stall-*"))
+
+
+def test_the_odd_ranks_are_those_outside_the_common_phase() -> None:
+    assert odd_ranks({0: "backward", 1: "backward", 2: "data", 3: "backward"}) == [2]
+    assert odd_ranks({0: "collective", 1: "collective"}) == []
+    assert odd_ranks({0: "data"}) == []
