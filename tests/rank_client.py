@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from fastapi.testclient import TestClient
 
 from fake_clock import Clock
+from servers import http_json
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 
@@ -70,3 +72,34 @@ def counter(agent: Agent, family: str, **labels: str) -> float:
             if s.name == family and s.labels == labels:
                 return s.value
     return 0.0
+
+
+class GpuRank:
+    """Pushes a bare rank of ``run`` bound to the GPU ``gpu_uuid`` twice a second, standing in for a rank on a
+    GPU: identity only (``trainpatrol_rank_info``), so the rules and panels that join GPUs to ranks have one.
+    A context manager: pushing from enter to exit."""
+
+    def __init__(self, agent_url: str, gpu_uuid: str, run: str) -> None:
+        self.url, self.uuid, self.run = agent_url, gpu_uuid, run
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        info = {"local_rank": "0", "world_size": "1", "host": "gpu-host", "gpu_uuid": self.uuid, "device": "cuda:0",
+                "torch_version": "", "cuda_version": "", "trainpatrol_version": "", "launcher": "", "launcher_job": ""}
+        seq = 0
+        while not self.stop.is_set():
+            seq += 1
+            http_json(f"{self.url}/v1/push", {
+                "run": self.run, "rank": 0, "world_size": 1, "host": "gpu-host", "gpu_uuid": self.uuid, "seq": seq,
+                "time": time.time(), "step": seq,
+                "samples": [{"name": "trainpatrol_rank_info", "labels": info, "value": 1.0}]})
+            self.stop.wait(0.5)
+
+    def __enter__(self) -> GpuRank:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)

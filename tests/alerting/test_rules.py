@@ -33,8 +33,8 @@ EXPECTED_ALERTS = {
     for n in (
         "NonFiniteLoss", "NonFiniteGrad", "GradNormExplosion", "LossSpike", "LossStagnation",
         "ValLossDiverging", "MemoryFragmentationHigh", "AllocRetries", "OOMRisk", "DataLoaderBound",
-        "GPUUnderutilized", "RankHung", "RankStalled", "RankDown", "Straggler", "CheckpointsBlockTraining", "GPUXidError",
-        "ThermalThrottle", "EccUncorrectable", "RowRemapFailure", "AgentDown",
+        "GPUUnderutilized", "RankHung", "RankStalled", "RankDown", "Straggler", "CheckpointsBlockTraining",
+        "GPUXidError", "ThermalThrottle", "EccUncorrectable", "RowRemapFailure", "AgentDown",
     )
 }
 EXPECTED_ACTIONS = {

@@ -30,6 +30,7 @@ import yaml
 
 from markers import needs_prometheus, needs_promtool
 from nvml_fake import FIXTURE
+from rank_client import GpuRank
 from servers import (
     PROMTOOL,
     agent,
@@ -359,40 +360,6 @@ class Live:
     end: float
 
 
-class GpuRank:
-    """Pushes a bare rank bound to the fake NVML's first GPU, standing in for a rank on a GPU.
-
-    A CPU demo's ranks have no GPU uuid, so without it nothing would join the GPU metrics to a run.
-    It pushes identity only, so every rank metric on the dashboards still comes from the demo.
-    """
-
-    def __init__(self, agent_url: str, gpu_uuid: str) -> None:
-        self.url, self.uuid = agent_url, gpu_uuid
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        info = {"local_rank": "0", "world_size": "1", "host": "gpu-host", "gpu_uuid": self.uuid, "device": "cuda:0",
-                "torch_version": "", "cuda_version": "", "trainpatrol_version": "", "launcher": "", "launcher_job": ""}
-        seq = 0
-        while not self.stop.is_set():
-            seq += 1
-            http_json(f"{self.url}/v1/push", {
-                "run": LIVE_RUNS[1], "rank": 0, "world_size": 1, "host": "gpu-host", "gpu_uuid": self.uuid,
-                "seq": seq, "time": time.time(), "step": seq,
-                "samples": [{"name": "trainpatrol_rank_info", "labels": info, "value": 1.0}],
-            })
-            self.stop.wait(0.5)
-
-    def __enter__(self) -> GpuRank:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-
-
 def _gpu_uuids(agent_url: str) -> list[str]:
     """The agent's GPUs' uuids, in the order of their index."""
     text = http_get(f"{agent_url}/metrics").decode()
@@ -422,7 +389,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     port = free_port()
     with agent(tmp, "--nvml-fake", str(FIXTURE), "--nvml-interval", "0.5", port=port) as agent_url, \
             prometheus(tmp, [f"127.0.0.1:{port}"], rule_files=[rules], labels=K8S_LABELS) as prom, \
-            GpuRank(agent_url, _first_gpu_uuid(agent_url)):
+            GpuRank(agent_url, _first_gpu_uuid(agent_url), LIVE_RUNS[1]):
         # Prometheus applies new targets after its discovery delay (about 5 s).
         wait_for(lambda: query_value(prom, 'up{job="trainpatrol"}') == 1, 30, what="first scrape of the agent")
         start = time.time()
@@ -618,7 +585,7 @@ def test_every_dcgm_panel_query_returns_data_beside_a_dcgm_exporter(tmp_path: Pa
     with agent(tmp_path, "--no-nvml") as agent_url, StaticExporter(dcgm_exposition(K8S_LABELS["node"])) as dcgm, \
             prometheus(tmp_path, [agent_url.removeprefix("http://")], rule_files=[REPO / "alerting" / "rules-dcgm.yml"],
                        labels=K8S_LABELS, other_jobs={"dcgm-exporter": [f"127.0.0.1:{dcgm.port}"]}) as prom, \
-            GpuRank(agent_url, DCGM_UUIDS[0]):
+            GpuRank(agent_url, DCGM_UUIDS[0], LIVE_RUNS[1]):
         wait_for(lambda: query_value(prom, "count(cluster_uuid:trainpatrol_rank_info:topk1_newest)") == 1, 40,
                  what="the rank joined to its DCGM GPU")
         # from the join on: before it, GPU 0 drew a line as a GPU no rank uses, and then one as the rank's

@@ -31,6 +31,7 @@ import yaml
 from loops import scripted_patrol
 from markers import needs_prometheus
 from nvml_fake import FIXTURE
+from rank_client import GpuRank
 from servers import REPO, agent, http_get, http_json, prometheus, query, query_value, wait_for
 from trainpatrol import Patrol
 
@@ -134,33 +135,10 @@ class Training:
         assert not self.thread.is_alive()
 
 
-class GpuRank:
-    """A bare rank bound to the fake NVML's first GPU (as in tests/dashboards), so the rules that join GPUs
-    to ranks (instance_uuid_rank:, run:trainpatrol_gpu_utilization_ratio:avg) record something."""
-
-    def __init__(self, agent_url: str) -> None:
-        text = http_get(f"{agent_url}/metrics").decode()
-        m = re.search(r'trainpatrol_gpu_info\{[^}]*uuid="([^"]+)"', text)
-        assert m, "the agent serves no trainpatrol_gpu_info"
-        self.url, self.uuid, self.stop = agent_url, m.group(1), threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        info = {"local_rank": "0", "world_size": "1", "host": "gpu-host", "gpu_uuid": self.uuid, "device": "cuda:0",
-                "torch_version": "", "cuda_version": "", "trainpatrol_version": "", "launcher": "", "launcher_job": ""}
-        seq = 0
-        while not self.stop.is_set():
-            seq += 1
-            http_json(f"{self.url}/v1/push", {
-                "run": GPU_RUN, "rank": 0, "world_size": 1, "host": "gpu-host", "gpu_uuid": self.uuid, "seq": seq,
-                "time": time.time(), "step": seq,
-                "samples": [{"name": "trainpatrol_rank_info", "labels": info, "value": 1.0}]})
-            self.stop.wait(0.5)
-
-    def end(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
+def first_gpu_uuid(agent_url: str) -> str:
+    m = re.search(r'trainpatrol_gpu_info\{[^}]*uuid="([^"]+)"', http_get(f"{agent_url}/metrics").decode())
+    assert m, "the agent serves no trainpatrol_gpu_info"
+    return m.group(1)
 
 
 def names(prom: str, start: float, end: float) -> set[str]:
@@ -229,7 +207,7 @@ def test_remote_write_forwards_the_trainpatrol_series_and_every_dashboard_reads_
         with prometheus(tmp_path / "edge", [agent_url.removeprefix("http://")], [RULES, other_rules],
                         labels=TARGET_LABELS, other_jobs={"prometheus": [central.removeprefix("http://")]},
                         extra_config={**DOCUMENTED, "remote_write": remote_write}) as edge:
-            gpu = GpuRank(agent_url)
+            gpu = GpuRank(agent_url, first_gpu_uuid(agent_url), GPU_RUN).__enter__()
             training = Training(scripted_patrol(tmp_path / "rank", agent_url, run=RUN, push_interval_seconds=0.25,
                                                 keep_best_checkpoint=False))
             try:
@@ -243,7 +221,7 @@ def test_remote_write_forwards_the_trainpatrol_series_and_every_dashboard_reads_
             finally:
                 training.end()
                 training.patrol.close()
-                gpu.end()
+                gpu.__exit__()
             end = time.time()
             # the edge has scraped and evaluated after the run; then the receiver has caught up
             latest = (f'trainpatrol_rank_up{{run="{RUN}"}}', "run:trainpatrol_step:max_rate5m")
