@@ -41,6 +41,9 @@ LOADER_WAIT_RUN = "run:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_ra
 STEP_MEAN_RANK = "run_rank:trainpatrol_step_duration_seconds:mean5m"
 STEP_MEDIAN_RUN = "run:trainpatrol_step_duration_seconds:median_mean5m"
 STRAGGLER_RATIO = "run_rank:trainpatrol_step_duration_seconds_per_run_median:ratio_mean5m"
+COMPUTE_MEAN_RANK = "run_rank:trainpatrol_compute_seconds_per_step:mean5m"
+COMPUTE_MEDIAN_RUN = "run:trainpatrol_compute_seconds_per_step:median_mean5m"
+COMPUTE_RATIO = "run_rank:trainpatrol_compute_seconds_per_run_median:ratio_mean5m"
 STEP_RATE_RUN = "run:trainpatrol_step:max_rate5m"
 PEAK_USED_RANK = "run_rank:trainpatrol_cuda_memory_peak_used:ratio"
 LOSS_RUN = "run:trainpatrol_loss_window_mean:avg"
@@ -115,6 +118,11 @@ def group(cfg: Config) -> Group:
         Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
         # The straggler ratio: 1 is the run's median rank; 1.5 is half as slow again.
         Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({run_on}) group_left ()\n({STEP_MEDIAN_RUN} > 0)"),
+        # Compute time apart from the waits: under DDP every rank waits for the slowest at the all-reduce, so
+        # step times even out; a slow rank's compute time still stands out from the run's median.
+        Recording(COMPUTE_MEAN_RANK, ratio_by_rank("trainpatrol_compute_seconds_total", "trainpatrol_step_total")),
+        Recording(COMPUTE_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {COMPUTE_MEAN_RANK})"),
+        Recording(COMPUTE_RATIO, f"{COMPUTE_MEAN_RANK}\n/ on ({run_on}) group_left ()\n({COMPUTE_MEDIAN_RUN} > 0)"),
         # The join table from GPUs to ranks: every rank on each GPU (alerting/promql.py, RANK_INFO).
         *((_dcgm_join(cfg, with_gpu, rank_on), _dcgm_newest(cfg, with_gpu, rank_on)) if cfg.gpu_source == "dcgm"
           else (_join(cfg, rank_info, gpu_on, rank_on),)),

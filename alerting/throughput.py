@@ -21,7 +21,7 @@ from .promql import (
     unless_halted,
     uuid_of,
 )
-from .recording import LOADER_WAIT_RANK_2M, STRAGGLER_RATIO
+from .recording import COMPUTE_RATIO, LOADER_WAIT_RANK_2M, STRAGGLER_RATIO
 
 
 def group(cfg: Config) -> Group:
@@ -40,7 +40,11 @@ def group(cfg: Config) -> Group:
     # Every throughput ratio judges a run that trains: none while any rank of it is paused, stopping,
     # stopped, closed or down, nor for as long as the ratio's window still holds such a time.
     loader = f"{LOADER_WAIT_RANK_2M} > {num(cfg.loader_wait_ratio)}\n" + unless_halted(run_on, "2m")
-    straggler = f"{STRAGGLER_RATIO} > {num(cfg.straggler_ratio)}\n" + unless_halted(run_on, "5m")
+    # A rank's compute time where it measures one (CPU ranks); its step time otherwise, which lock-step
+    # parallelism evens out.
+    ratio = num(cfg.straggler_ratio)
+    straggler = (f"(\n  {COMPUTE_RATIO} > {ratio}\n  or\n  ({STRAGGLER_RATIO} > {ratio}\n"
+                 f"  unless on ({rank_on}) {COMPUTE_RATIO})\n)\n" + unless_halted(run_on, "5m"))
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
     cb = cfg.checkpoint_blocked_window
     rules = (
@@ -61,8 +65,8 @@ def group(cfg: Config) -> Group:
         Alert(
             "Straggler", straggler, "warning",
             "A rank is slower than the rest of its run.",
-            f"{who} takes {VALUE} times the run's median step time (means over 5m; threshold "
-            f"{num(cfg.straggler_ratio)}).",
+            f"{who} takes {VALUE} times the run's median compute time, or step time where it measures no "
+            f"compute time (means over 5m; threshold {num(cfg.straggler_ratio)}).",
         ),
         Alert(
             "CheckpointsBlockTraining",

@@ -195,7 +195,7 @@ def action_expr(action: str) -> str:
 
 
 def action_annotations() -> list[cogbuilder.Builder[dm.AnnotationQuery]]:
-    """The control actions (checkpoint, pause, resume, stop) as annotations, one per run."""
+    """The control actions (checkpoint, pause, resume, stop) and the run's restarts as annotations, one per run."""
     return [
         Prebuilt(
             PromAnnotation(
@@ -212,7 +212,16 @@ def action_annotations() -> list[cogbuilder.Builder[dm.AnnotationQuery]]:
             )
         )
         for action, color in ACTION_COLORS.items()
-    ]
+    ] + [Prebuilt(PromAnnotation(
+        name="Restart", datasource=DS, enable=True, hide=False, icon_color="purple", expr=RESTART_EXPR,
+        title_format="restart {{run}}", text_format="run {{run}}: restart number {{restarts}}", tag_keys="run",
+        step="15s"))]
+
+
+RESTART_SEL = "trainpatrol_run_restarts{" + f'{WHERE}, run=~"$run"' + "}"
+RESTART_EXPR = (f"max by (run) ({RESTART_SEL}) > max by (run) ({RESTART_SEL} offset $__rate_interval) "
+                f"or max by (run) ({RESTART_SEL} unless {RESTART_SEL} offset $__rate_interval) > 0")
+"""A run whose restart count rose in the last interval (torchrun's restarts), beside its actions and alerts."""
 
 
 def variables(node_query: str, *, one_node: bool = False) -> list[cogbuilder.Builder[dm.VariableModel]]:

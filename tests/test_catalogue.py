@@ -7,6 +7,7 @@ from pathlib import Path
 
 from loops import run_scripted, scripted_patrol
 from probe.test_patrol_values import ScriptedAllocator
+from trainpatrol import Patrol
 from trainpatrol.catalogue import ALL_METRICS, RANK_METRICS, render_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +50,17 @@ def test_every_rank_metric_is_pushed_by_a_patrol(tmp_path: Path) -> None:
     for (x,) in patrol.loader(loader):
         patrol.step(x.sum(), grad_norm=1.0, batch_size=2)
     run_scripted(patrol, [1.0, 2.0], grad_norms=[1.0, 2.0])
+    model = torch.nn.Linear(2, 1)  # a CPU rank with a model times its compute (a hook on the first parameter)
+    with_model = Patrol(model=model, config=patrol.config)
+    model(torch.ones(1, 2)).sum().backward()
+    with_model.step(torch.tensor(1.0))
+    timed = {s["name"] for s in with_model._report.snapshot()["samples"]} & {"trainpatrol_compute_seconds_total"}
+    with_model.close()
     patrol.evaluate(0.5)
     patrol._latest.loss_scale = 1024.0  # set by a GradScaler (tested in test_patrol_values)
     patrol._record.last_checkpoint_time, patrol._record.last_checkpoint_step = 1.0, 2.0
     patrol._record.last_checkpoint_write_seconds = 0.5
     snap = patrol._report.snapshot()
-    pushed = {s["name"] for s in snap["samples"]} | {"trainpatrol_step_duration_seconds"}
+    pushed = {s["name"] for s in snap["samples"]} | {"trainpatrol_step_duration_seconds"} | timed
     assert pushed == {m.name for m in RANK_METRICS}
     patrol.close()

@@ -76,6 +76,7 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "amp_loss_scale", "gauge", "", "Current GradScaler loss scale."),
     _r(P + "learning_rate", "gauge", "", "Learning rate of each optimizer param group (index label, at most 16 groups).", "param_group"),
     _r(P + "loader_wait_seconds_total", "counter", "seconds", "Time spent waiting for the next batch from the data loader."),
+    _r(P + "compute_seconds_total", "counter", "seconds", "Time computing each step (forward and backward, up to the model's last gradient), apart from the data wait and the wait for peers in DDP's gradient all-reduce: under lock-step parallelism step times even out, compute times do not. Host clock, CPU ranks only (absent on a GPU)."),
     _r(P + "loader_wait_ratio", "gauge", "ratio", "Loader wait time divided by step time over the recent window."),
     _r(P + "dataloader_info", "info", "", "DataLoader settings seen by the audit.", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "batch_size"),
     _r(P + "dataloader_warning", "gauge", "", "1 when a DataLoader audit check fails (see docs/runbooks.md).", "check"),
@@ -118,6 +119,7 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
     _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),
     _a(P + "run_actions_total", "counter", "", "Control actions carried out in a run, by action and outcome: the most that any of this agent's ranks of the run reports (every rank carries out each agreed action once). max by (run, action, outcome) over agents.", "run", "action", "outcome"),
+    _a(P + "run_restarts", "gauge", "", "Restarts of the run so far (torchrun's TORCHELASTIC_RESTART_COUNT, as each rank pushes it): the most any of this agent's ranks of the run reports. The run-timeline dashboard marks each increase.", "run"),
     _a(P + "run_step_duration_seconds", "histogram", "seconds", "Wall time of one optimizer step, the histograms of this agent's ranks of the run summed. sum by (run, le) over agents gives the run's quantiles.", "run"),
     _a(P + "pushes_total", "counter", "", "Push requests received, by outcome: ok, invalid, unauthorized (agent token), wrong_namespace (a namespace token of another namespace), wrong_run_key (the run is bound to another key), too_large, refused (over a bound).", "outcome"),
     _a(P + "webhook_alerts_total", "counter", "", "Alerts received on the Alertmanager webhook, by outcome.", "outcome"),
@@ -195,7 +197,7 @@ def render_markdown() -> str:
         "",
         f"A 1,024-rank job shares its Prometheus with everything else, so one rank costs at most {SERIES_BUDGET} series at",
         "the agent's default series level, `standard` (a GPU rank on the README loop with a validation loss, a",
-        "GradScaler and two parameter groups: 39, the agent's liveness series included; `tests/agent/test_series_budget.py`).",
+        "GradScaler and two parameter groups: 39 (a CPU rank measures its compute time too: 40), the agent's liveness series included; `tests/agent/test_series_budget.py`).",
         "At that level the agent leaves out the metrics marked *full* below, every step-duration bucket of a rank but",
         "`+Inf` (its `_sum` and `_count` stay), and `trainpatrol_guard_trips_total` of guards that never tripped.",
         "What is the same on every rank of a run is served once per run instead: `trainpatrol_run_actions_total`",
@@ -203,7 +205,7 @@ def render_markdown() -> str:
         "histograms summed, for the run's quantiles). The rank's control state is one gauge,",
         "`trainpatrol_rank_state`, whose value encodes the state. Every series an alert reads is served from the",
         "rank's first push, counters at 0. `trainpatrol agent --series full` (Helm: `agent.series: full`) serves",
-        "everything, 102 series for the same rank.",
+        "everything, 103 series for a CPU rank.",
         "",
     ]
     titles = {"rank": "Rank metrics (pushed by Patrol)", "agent": "Agent metrics", "nvml": "GPU metrics (NVML)"}

@@ -116,6 +116,8 @@ class RankSnapshot(BaseModel):
     launcher: str = Field(default="", pattern=r"^[a-z0-9-]{0,32}$")
     """What started the job (``slurm``, ``torchrun``, ``jobset``, ...) and its job id: on ``rank_info``."""
     launcher_job: str = Field(default="", pattern=JOB_ID)
+    restart_count: int = Field(default=0, ge=0, le=1_000_000)
+    """torchrun's ``TORCHELASTIC_RESTART_COUNT``: how often the job was restarted before this incarnation."""
     seq: int = Field(default=0, ge=0)
     time: float = 0.0
     step: int = Field(default=0, ge=0)

@@ -65,6 +65,10 @@ def test_a_rank_with_workload_labels_a_histogram_and_an_info_is_written_exactly(
         "# HELP trainpatrol_rank_last_step_timestamp_seconds Unix time at which the rank's step counter last "
         "advanced.\n# TYPE trainpatrol_rank_last_step_timestamp_seconds gauge\n"
         f"trainpatrol_rank_last_step_timestamp_seconds{{{w}}} 1.70000000025e+09\n"
+        "# HELP trainpatrol_run_restarts Restarts of the run so far (torchrun's TORCHELASTIC_RESTART_COUNT, as each "
+        "rank pushes it): the most any of this agent's ranks of the run reports. The run-timeline dashboard marks "
+        "each increase.\n# TYPE trainpatrol_run_restarts gauge\n"
+        'trainpatrol_run_restarts{namespace="team-a",run="r1"} 0.0\n'
         "# HELP trainpatrol_run_step_duration_seconds Wall time of one optimizer step, the histograms of this agent's "
         "ranks of the run summed. sum by (run, le) over agents gives the run's quantiles.\n"
         "# TYPE trainpatrol_run_step_duration_seconds histogram\n"
@@ -162,3 +166,12 @@ def test_one_collector_writes_each_ranks_latest_push_and_step_times_scrape_after
                       'trainpatrol_rank_last_push_timestamp_seconds{rank="1",run="r1"} 1.70000000275e+09',
                       'trainpatrol_rank_last_step_timestamp_seconds{rank="0",run="r1"} 1.70000000275e+09',
                       'trainpatrol_rank_last_step_timestamp_seconds{rank="1",run="r1"} 1.70000000025e+09']
+
+
+def test_a_runs_restart_count_is_served_once_per_run_as_the_most_any_rank_reports() -> None:
+    store = RankStore(clock=Clock())
+    store.push(snap(0, restart_count=2))
+    store.push(snap(1, restart_count=3))
+    store.push(snap(0, run="other"))
+    lines = [ln for ln in text(RankCollector(store)).decode().splitlines() if ln.startswith("trainpatrol_run_restarts")]
+    assert lines == ['trainpatrol_run_restarts{run="other"} 0.0', 'trainpatrol_run_restarts{run="r1"} 3.0']

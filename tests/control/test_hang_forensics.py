@@ -14,7 +14,7 @@ from pathlib import Path
 from servers import REPO, agent, http_get, python_env, wait_for
 from trainpatrol.probe.stall_watch import PHASES, odd_ranks
 
-WORKER = REPO / "tests" / "control" / "stall_worker.py"
+WORKER = REPO / "tests" / "control" / "lockstep_worker.py"
 
 
 def torchrun(tmp: Path, url: str, **env: str) -> subprocess.Popen[str]:

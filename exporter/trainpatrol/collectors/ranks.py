@@ -27,6 +27,7 @@ _HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
 _BOUNDS = (*(str(b) for b in STEP_DURATION_BUCKETS), "+Inf")
 _LIVENESS = tuple(m for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_"))
 _RUN_ACTIONS, _RUN_HISTOGRAM = BY_NAME[P + "run_actions_total"], BY_NAME[P + "run_step_duration_seconds"]
+_RUN_RESTARTS = BY_NAME[P + "run_restarts"]
 _ACTIONS, _TRIPS = P + "actions_total", P + "guard_trips_total"
 SERIES_LEVELS = ("standard", "full")
 
@@ -78,6 +79,7 @@ class RankCollector:
         families = {spec.name: spec.family() for spec in RANK_METRICS if full or spec.name not in FULL_ONLY}
         liveness = [spec.family() for spec in _LIVENESS]
         run_actions: dict[tuple[str, ...], float] = {}
+        restarts: dict[tuple[str, str], float] = {}
         run_steps: dict[tuple[str, str], tuple[list[float], float]] = {}
         if len(self._labels) > self._max_series:
             self._labels.clear()
@@ -100,6 +102,8 @@ class RankCollector:
                     base = base or rank_labels(snap)
                     labels = labels_of[series] = _sorted(base | s.labels)
                 fam.add_sample(s.name, labels, 1.0 if fam.type == "info" else s.value)
+            of_run = (snap.namespace, snap.run)
+            restarts[of_run] = max(restarts.get(of_run, 0.0), float(snap.restart_count))
             plain = labels_of.get(rank)
             if plain is None:
                 plain = labels_of[rank] = _sorted(rank_labels(snap))
@@ -120,20 +124,25 @@ class RankCollector:
                                   strict=True):
                 fam.add_sample(fam.name, plain, value)
         yield from (f for f in (*families.values(), *liveness) if f.samples)
-        yield from _run_families(run_actions, run_steps)
+        yield from _run_families(run_actions, run_steps, restarts)
 
 
 def _run_labels(namespace: str, run: str, **more: str) -> dict[str, str]:
     return _sorted(({"namespace": namespace} if namespace else {}) | {"run": run} | more)
 
 
-def _run_families(actions: dict[tuple[str, ...], float],
-                  steps: dict[tuple[str, str], tuple[list[float], float]]) -> Iterator[Metric]:
-    """Once per run: its actions (the most any rank reports) and its ranks' step histograms summed."""
+def _run_families(actions: dict[tuple[str, ...], float], steps: dict[tuple[str, str], tuple[list[float], float]],
+                  restarts: dict[tuple[str, str], float]) -> Iterator[Metric]:
+    """Once per run: its actions (the most any rank reports), its restarts, its ranks' step histograms summed."""
     if actions:
         fam = _RUN_ACTIONS.family()
         for (namespace, run, action, outcome), value in sorted(actions.items()):
             fam.add_sample(_RUN_ACTIONS.name, _run_labels(namespace, run, action=action, outcome=outcome), value)
+        yield fam
+    if restarts:
+        fam = _RUN_RESTARTS.family()
+        for (namespace, run), count in sorted(restarts.items()):
+            fam.add_sample(_RUN_RESTARTS.name, _run_labels(namespace, run), count)
         yield fam
     if steps:
         fam = _RUN_HISTOGRAM.family()

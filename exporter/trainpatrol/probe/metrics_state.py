@@ -26,6 +26,8 @@ class Totals:
     samples: float = 0.0
     tokens: float = 0.0
     loader_wait: float = 0.0
+    compute: float = math.nan
+    """Seconds computing (forward and backward, without the data wait and the wait for peers): CPU ranks."""
     nonfinite_loss: float = 0.0
     nonfinite_grad: float = 0.0
     amp_skipped: float = 0.0
@@ -82,6 +84,7 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
     for i, lr in enumerate(latest.learning_rates[:MAX_PARAM_GROUPS]):
         add("learning_rate", lr, param_group=str(i))
     add("loader_wait_seconds_total", t.loader_wait)
+    add("compute_seconds_total", t.compute)
     add("loader_wait_ratio", history.ratio("loader_wait_seconds", "step_seconds"))
     if audit is not None:
         add("dataloader_info", 1.0, **audit.info)

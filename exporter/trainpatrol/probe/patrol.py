@@ -164,11 +164,26 @@ class Patrol:
         self._report.stall_watch = StallWatch(
             self._recorder, self._record, self._evidence, cfg.evidence_dir, identity.rank, identity.world_size,
             multiple=cfg.stall_step_multiple, floor_seconds=cfg.stall_seconds, acting=lambda: control.acting)
+        self._compute_hook = self._time_compute(model) if self._device.type == "cpu" else None
         if cfg.record_memory_history:
             set_recording(True)
         if cfg.embedded_agent:
             ensure_agent(cfg.agent_url, identity.local_rank, cfg.embedded_agent_idle_seconds, cfg.token)
         publisher.start()
+
+    def _time_compute(self, model: torch.nn.Module | None) -> Any:
+        """A hook on the model's first parameter, whose gradient backward computes last: when it fires, the rank's
+        compute is done, and what follows (DDP's wait for its peers) is not (``trainpatrol_compute_seconds_total``)."""
+        first = next((p for p in model.parameters() if p.requires_grad), None) if model is not None else None
+        if first is None:
+            return None
+        recorder = self._recorder
+        self._totals.compute = 0.0
+
+        def backward_done(_: torch.Tensor) -> None:
+            recorder.backward_done = time.perf_counter()
+
+        return first.register_post_accumulate_grad_hook(backward_done)
 
     # --- what users read ------------------------------------------------------------------------
     @property
@@ -341,6 +356,8 @@ class Patrol:
         self._publisher.stop(final_push=True)
         if self._hooks is not None:
             self._hooks.remove()
+        if self._compute_hook is not None:
+            self._compute_hook.remove()
 
     def __enter__(self) -> Patrol:
         return self

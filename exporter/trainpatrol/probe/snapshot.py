@@ -54,6 +54,8 @@ class RankReport:
         self._publisher_share = 0.0
         self.seq = 0
         self._instance = secrets.token_hex(8)
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._restarts = int(restarts) if restarts.isdigit() else 0
         self.stall_watch: StallWatch | None = None
         """Set once it exists: each push says whether the training thread is stuck, and where."""
 
@@ -72,6 +74,7 @@ class RankReport:
             "run": self.config.run, "rank": ident.rank, "instance": self._instance, "local_rank": ident.local_rank,
             "world_size": ident.world_size, "host": ident.host, "pid": os.getpid(), "gpu_uuid": ident.gpu_uuid,
             **self.workload.fields(),
+            "restart_count": self._restarts,
             "seq": self.seq, "time": time.time(), "step": totals.steps, "state": record.state,
             "samples": samples(totals, recorder.latest, recorder.history, self.guards.trips, self.guards.active,
                                record, ident.info_labels(self.workload), self.audit,

@@ -70,6 +70,10 @@ class StepRecorder:
         self._wait_since_step = 0.0
         self.probe_since_step = 0.0
         self.last_step_end = time.perf_counter()
+        self.backward_done = -math.inf
+        """When the last backward pass accumulated the model's first parameter's gradient (computed last): the
+        rank's compute ends there, before DDP waits for its peers in the gradient all-reduce. Host clock,
+        set by a hook on CPU ranks only (on a GPU the host runs ahead of the device)."""
         self._last_scale = math.nan
         self._same_norm, self._same_norm_steps, self._warned_clipped = math.nan, 0, False
 
@@ -148,6 +152,8 @@ class StepRecorder:
         rows = self._rows
         if not rows:
             self.owner = threading.get_ident()
+        if self.backward_done > self.last_step_end:
+            t.compute += max(0.0, self.backward_done - self.last_step_end - self._wait_since_step)
         row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f, scale_f,
                float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
         rows.append(row)

@@ -1,6 +1,7 @@
-"""One rank of a 4-rank gloo DDP job under torchrun whose rank HANG_RANK blocks in its data loading at step
-HANG_AT for HANG_SECONDS, while the others go on into the gradient all-reduce; or, with SLOW_LOADER, every
-rank's loader is slow but steady. Trains through ``patrol.loader`` over a shuffled DataLoader."""
+"""One rank of a 4-rank gloo DDP job under torchrun, training through ``patrol.loader`` over a shuffled
+DataLoader. HANG_RANK blocks in its data loading at step HANG_AT for HANG_SECONDS while the others go on into
+the gradient all-reduce; SLOW_LOADER makes every rank's loader slow but steady; FORWARD_SECONDS is each
+rank's forward time, SLOW_RANK's 30 % longer."""
 
 from __future__ import annotations
 
@@ -41,11 +42,15 @@ def main() -> None:
         torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     patrol = Patrol(model=model, optimizer=opt, config=PatrolConfig(
-        run="hang", agent_url=os.environ["AGENT_URL"], embedded_agent=False, checkpoint_dir=str(out / "ckpt"),
-        evidence_dir=str(out / "evidence"), push_interval_seconds=0.2, stall_seconds=3.0, guard_actions={}))
+        run=os.environ.get("RUN", "hang"), agent_url=os.environ["AGENT_URL"], embedded_agent=False,
+        checkpoint_dir=str(out / "ckpt"), evidence_dir=str(out / "evidence"), push_interval_seconds=0.2,
+        stall_seconds=3.0, guard_actions={}))
     loader = DataLoader(Batches(rank), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+    forward = float(os.environ.get("FORWARD_SECONDS", "0")) * (1.3 if rank == int(os.environ.get("SLOW_RANK", "-1"))
+                                                                else 1.0)
     for step, x in enumerate(patrol.loader(loader), 1):
         loss = model(x).pow(2).mean()
+        time.sleep(forward)
         loss.backward()
         patrol.step(loss, batch_size=8)
         opt.step()

@@ -1,0 +1,61 @@
+"""A straggler under lock-step parallelism is named: 4 gloo DDP ranks under torchrun, rank 1's forward 30 % slower.
+Every rank waits for it at the gradient all-reduce, so step times even out; compute times (up to the model's last
+gradient) do not, and the shipped Straggler rule (fast profile, a real Prometheus) names rank 1 and no other.
+The same job without a slow rank names none."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from servers import REPO, agent, prometheus, python_env, query, wait_for
+
+WORKER = REPO / "tests" / "control" / "lockstep_worker.py"
+RULES = REPO / "alerting" / "rules-fast.yml"
+
+
+def lockstep(tmp: Path, url: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                             str(WORKER)], env=python_env(AGENT_URL=url, OUT=str(tmp), OMP_NUM_THREADS="1",
+                                                          RUN="lockstep", FORWARD_SECONDS="0.03", **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stragglers(prom: str) -> set[str]:
+    return {r["metric"]["rank"] for r in query(prom, 'ALERTS{alertname="TrainPatrolStraggler",alertstate="firing"}')}
+
+
+def ratios(prom: str, name: str) -> dict[str, float]:
+    return {r["metric"]["rank"]: float(r["value"][1]) for r in query(prom, f'{name}{{run="lockstep"}}')}
+
+
+def test_a_rank_30_percent_slower_in_its_forward_is_named_by_its_compute_time(tmp_path: Path) -> None:
+    with agent(tmp_path) as url, prometheus(tmp_path, [url.removeprefix("http://")], [RULES]) as prom:
+        job = lockstep(tmp_path, url, STEPS="100000", SLOW_RANK="1")
+        try:
+            wait_for(lambda: stragglers(prom), 300, interval=1, what="TrainPatrolStraggler firing")
+            assert stragglers(prom) == {"1"}
+            step = ratios(prom, "run_rank:trainpatrol_step_duration_seconds_per_run_median:ratio_mean5m")
+            compute = ratios(prom, "run_rank:trainpatrol_compute_seconds_per_run_median:ratio_mean5m")
+            assert max(step.values()) < 1.1, step  # the all-reduce evens step times out
+            assert compute["1"] > 1.2 and all(v < 1.1 for r, v in compute.items() if r != "1"), compute
+        finally:
+            job.kill()
+            job.wait()
+
+
+def test_a_lockstep_job_without_a_slow_rank_names_none(tmp_path: Path) -> None:
+    with agent(tmp_path) as url, prometheus(tmp_path, [url.removeprefix("http://")], [RULES]) as prom:
+        job = lockstep(tmp_path, url, STEPS="100000")
+        try:
+            wait_for(lambda: len(ratios(prom, "run_rank:trainpatrol_compute_seconds_per_run_median:ratio_mean5m"))
+                     == 4, 150, interval=1, what="every rank's compute ratio")
+            until = time.monotonic() + 30
+            while time.monotonic() < until:
+                assert not stragglers(prom)
+                time.sleep(1)
+        finally:
+            job.kill()
+            job.wait()
