@@ -46,6 +46,10 @@ LONGEST_FIRST = [  # measured on the 2-core machine, longest first; the units no
     "control/test_ddp_same_step.py",
     "integration/test_demo_stack.py",  # not among the first three: their pip installs and image build hog the CPU
     "dashboards/test_dashboards.py",
+    "control/test_lockstep_straggler.py",
+    "control/test_hang_forensics.py",
+    "integration/test_remote_write.py",
+    "integration/test_control_across_agents.py",
     "probe/test_host_memory.py",
     "probe/test_embedded_agent.py",
     "alerting/test_rules.py",
