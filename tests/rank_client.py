@@ -77,6 +77,7 @@ def counter(agent: Agent, family: str, **labels: str) -> float:
 class GpuRank:
     """Pushes a bare rank of ``run`` bound to the GPU ``gpu_uuid`` twice a second, standing in for a rank on a
     GPU: identity only (``trainpatrol_rank_info``), so the rules and panels that join GPUs to ranks have one.
+    It belongs to a job that torchrun restarted once (``restart_count``), so the restart annotation has one.
     A context manager: pushing from enter to exit."""
 
     def __init__(self, agent_url: str, gpu_uuid: str, run: str) -> None:
@@ -92,6 +93,7 @@ class GpuRank:
             seq += 1
             http_json(f"{self.url}/v1/push", {
                 "run": self.run, "rank": 0, "world_size": 1, "host": "gpu-host", "gpu_uuid": self.uuid, "seq": seq,
+                "restart_count": 1,
                 "time": time.time(), "step": seq,
                 "samples": [{"name": "trainpatrol_rank_info", "labels": info, "value": 1.0}]})
             self.stop.wait(0.5)

@@ -11,5 +11,5 @@ from servers import agent
 
 @pytest.fixture(scope="module")
 def agent_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with agent(tmp_path_factory.mktemp("agent"), "--no-nvml") as url:
+    with agent(tmp_path_factory.mktemp("agent"), "--no-nvml", "--series", "full") as url:  # every series, exactly
         yield url

@@ -49,11 +49,19 @@ class EvidenceWriter:
         if self._renderer is None:
             self._renderer = threading.Thread(target=self._render_queued, name="trainpatrol-report", daemon=True)
             self._renderer.start()
-        try:
-            self._queue.put_nowait(bundle)
-        except queue.Full:  # bundles come faster than reports render: the rest waits for no one
-            log.warning("trainpatrol: report for %s not rendered (%d waiting); `trainpatrol report %s` renders it",
-                        bundle, REPORTS_WAITING, bundle)
+        while True:
+            try:
+                self._queue.put_nowait(bundle)
+                return
+            except queue.Full:  # bundles come faster than reports render: the oldest waiting one gives way
+                pass
+            try:
+                older = self._queue.get_nowait()
+            except queue.Empty:
+                continue
+            self._queue.task_done()
+            log.warning("trainpatrol: report for %s not rendered (%d newer waiting); `trainpatrol report %s` "
+                        "renders it", older, REPORTS_WAITING, older)
 
     def wait(self) -> None:
         """Until every report asked for is written."""
