@@ -97,3 +97,34 @@ def test_a_background_write_that_fails_leaves_no_checkpoint_and_pauses_the_run(
     pause = patrol._commands.pending()["pause"]
     assert pause["source"] == "checkpoint" and "checkpoint of step 10 failed" in pause["reason"]
     patrol.close()
+
+
+def test_a_run_whose_close_waits_for_a_write_reads_stopping_not_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training is over once ``close`` begins: while it waits for a checkpoint still being written the rank
+    reports ``stopping`` (pushed as ``trainpatrol_rank_state`` 3), so no stall alert reads the wait as a hang."""
+    release = threading.Event()
+    atomic_write = executor.ckpt.atomic_write
+
+    def held_write(path: Path, write: Any) -> None:
+        if threading.current_thread().name == "trainpatrol-checkpoint-writer":
+            release.wait(30)
+        atomic_write(path, write)
+    monkeypatch.setattr(executor.ckpt, "atomic_write", held_write)
+
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "async", guard_actions={},
+                                                              background_checkpoints=True))
+    train_mlp(patrol, model, opt, 10)
+    patrol.request("checkpoint", "test")
+    patrol.boundary()
+    assert patrol.state == "running"
+    closing = threading.Thread(target=patrol.close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive() and patrol.state == "stopping"
+    assert value(patrol, "rank_state") == 3.0
+    release.set()
+    closing.join(30)
+    assert patrol.state == "closed"
+    assert [(a.action, a.outcome, a.step) for a in patrol.actions] == [("checkpoint", "ok", 10)]

@@ -346,9 +346,12 @@ class Patrol:
         return self._commands.request(action, reason, source)
 
     def close(self) -> None:
-        """Read the last steps back, push a final snapshot and unhook the optimizer (leaving ``with`` does it)."""
+        """Read the last steps back, wait for the writes under way (the rank reads ``stopping`` meanwhile), push a
+        final snapshot and unhook the optimizer (leaving ``with`` does it)."""
         if self.state == "closed":
             return
+        if self.state == "running":  # training is over: waiting for the writes below is no stall
+            self._record.state = "stopping"
         self._recorder.catch_up(wait=True)
         self._control.executor.wait()  # a checkpoint being written is durable, a report written, first
         if self.state not in ("stopped",):
