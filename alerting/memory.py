@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .config import Config
 from .promql import COUNT, INSTANCE, PERCENT, RANK, RUN, Alert, Group, increased, indent, num, rank_labels, sel
-from .recording import PEAK_USED_RANK
 
 
 def group(cfg: Config) -> Group:
@@ -34,7 +33,9 @@ def group(cfg: Config) -> Group:
     # each rank yields one alert.
     oom = (
         f"{s('trainpatrol_cuda_memory_used_ratio')} > {num(cfg.oom_used_ratio)}\n"
-        f"or\n{PEAK_USED_RANK} > {num(cfg.oom_used_ratio)}"
+        # the peak over the probe's window, so an OOM-sized spike between two scrapes still shows
+        f"or\n(\n  {s('trainpatrol_cuda_memory_peak_allocated_bytes')}\n  / on ({rank_on})\n"
+        f"  ({s('trainpatrol_cuda_memory_capacity_bytes')} > 0)\n) > {num(cfg.oom_used_ratio)}"
     )
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
     gib = num(cfg.fragmentation_min_reserved_bytes / 1024**3)

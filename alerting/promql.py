@@ -144,6 +144,13 @@ def sel(cfg: Config, metric: str, *matchers: str) -> str:
     return f"{metric}{{{','.join(parts)}}}" if parts else metric
 
 
+def rate_ratio(cfg: Config, num: str, den: str, window: str) -> str:
+    """Per rank, the rate of counter ``num`` over the rate of counter ``den`` in ``window``; absent, never NaN
+    or +Inf, where ``den`` did not grow (before a rank's first step completes, while it does not step)."""
+    return (f"rate({sel(cfg, num)}[{window}])\n/ on ({rank_labels(cfg)})\n"
+            f"(rate({sel(cfg, den)}[{window}]) > 0)")
+
+
 def dsel(cfg: Config, metric: str, *matchers: str) -> str:
     """A dcgm-exporter selector: ``cfg.dcgm_selector``, not trainpatrol's ``job``."""
     parts = [p for p in (cfg.dcgm_selector, *matchers) if p]

@@ -2,8 +2,10 @@
 
 Names follow ``level:metric:operations`` (level ``run`` = by cluster, namespace, job and run,
 ``run_rank`` = one series per rank, ``instance_uuid`` = one per NVML GPU, ``cluster_uuid`` = one per
-GPU UUID, the DCGM join table). Windows are fixed in every profile and named (5 m; 2 m for
-the loader ratio TrainPatrolDataLoaderBound reads), so a name never lies about its window.
+GPU UUID, the DCGM join table). Windows are fixed in every profile and named (5 m), so a name never lies
+about its window. A series is recorded per rank only where the rollups, dashboards or several rules share
+it: each costs a series a rank (1,024 on a 1,024-rank run), so a ratio that one alert reads is worked out
+in that alert.
 
 A ratio is defined only where its denominator is positive: each divisor is filtered with ``> 0``, so
 a ratio is absent, never NaN or +Inf, before a rank's first step completes, while it does not step,
@@ -31,21 +33,18 @@ from .promql import (
     indent,
     on_rank,
     rank_labels,
+    rate_ratio,
     run_labels,
     sel,
 )
 
 LOADER_WAIT_RANK = "run_rank:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
-LOADER_WAIT_RANK_2M = "run_rank:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate2m"
 LOADER_WAIT_RUN = "run:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
 STEP_MEAN_RANK = "run_rank:trainpatrol_step_duration_seconds:mean5m"
 STEP_MEDIAN_RUN = "run:trainpatrol_step_duration_seconds:median_mean5m"
-STRAGGLER_RATIO = "run_rank:trainpatrol_step_duration_seconds_per_run_median:ratio_mean5m"
 COMPUTE_MEAN_RANK = "run_rank:trainpatrol_compute_seconds_per_step:mean5m"
 COMPUTE_MEDIAN_RUN = "run:trainpatrol_compute_seconds_per_step:median_mean5m"
-COMPUTE_RATIO = "run_rank:trainpatrol_compute_seconds_per_run_median:ratio_mean5m"
 STEP_RATE_RUN = "run:trainpatrol_step:max_rate5m"
-PEAK_USED_RANK = "run_rank:trainpatrol_cuda_memory_peak_used:ratio"
 LOSS_RUN = "run:trainpatrol_loss_window_mean:avg"
 VAL_LOSS_RUN = "run:trainpatrol_validation_loss:avg"
 
@@ -56,9 +55,6 @@ def group(cfg: Config) -> Group:
     gpu_on = gpu_labels(cfg)
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
-
-    def ratio_by_rank(num: str, den: str, window: str = "5m") -> str:
-        return f"rate({s(num)}[{window}])\n/ on ({rank_on})\n(rate({s(den)}[{window}]) > 0)"
 
     def ratio_by_run(num: str, den: str) -> str:
         return (
@@ -90,15 +86,11 @@ def group(cfg: Config) -> Group:
         ),
         # Ranks that Patrol found stuck, by phase: RankHung names the odd one; other alerts look away.
         Recording(RANK_STALLED, f"{s('trainpatrol_rank_stalled_phase')} > 0"),
-        # Time waiting for data over step time: above about 0.3 the GPU starves. The 2m ratio is the
-        # one TrainPatrolDataLoaderBound reads (alerting/README.md: chosen from measurements).
-        Recording(
-            LOADER_WAIT_RANK_2M,
-            ratio_by_rank("trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum", "2m"),
-        ),
+        # Time waiting for data over step time: above about 0.3 the GPU starves (TrainPatrolDataLoaderBound
+        # reads its own 2 m ratio).
         Recording(
             LOADER_WAIT_RANK,
-            ratio_by_rank("trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum"),
+            rate_ratio(cfg, "trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum", "5m"),
         ),
         Recording(
             LOADER_WAIT_RUN,
@@ -113,28 +105,20 @@ def group(cfg: Config) -> Group:
         Recording("run:trainpatrol_step_duration_seconds:p90_rate5m", run_quantile(0.9)),
         Recording(
             STEP_MEAN_RANK,
-            ratio_by_rank("trainpatrol_step_duration_seconds_sum", "trainpatrol_step_duration_seconds_count"),
+            rate_ratio(cfg, "trainpatrol_step_duration_seconds_sum", "trainpatrol_step_duration_seconds_count", "5m"),
         ),
         Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
-        # The straggler ratio: 1 is the run's median rank; 1.5 is half as slow again.
-        Recording(STRAGGLER_RATIO, f"{STEP_MEAN_RANK}\n/ on ({run_on}) group_left ()\n({STEP_MEDIAN_RUN} > 0)"),
         # Compute time apart from the waits: under DDP every rank waits for the slowest at the all-reduce, so
         # step times even out; a slow rank's compute time still stands out from the run's median.
-        Recording(COMPUTE_MEAN_RANK, ratio_by_rank("trainpatrol_compute_seconds_total", "trainpatrol_step_total")),
+        Recording(COMPUTE_MEAN_RANK,
+                  rate_ratio(cfg, "trainpatrol_compute_seconds_total", "trainpatrol_step_total", "5m")),
         Recording(COMPUTE_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {COMPUTE_MEAN_RANK})"),
-        Recording(COMPUTE_RATIO, f"{COMPUTE_MEAN_RANK}\n/ on ({run_on}) group_left ()\n({COMPUTE_MEDIAN_RUN} > 0)"),
         # The join table from GPUs to ranks: every rank on each GPU (alerting/promql.py, RANK_INFO).
         *((_dcgm_join(cfg, with_gpu, rank_on), _dcgm_newest(cfg, with_gpu, rank_on)) if cfg.gpu_source == "dcgm"
           else (_join(cfg, rank_info, gpu_on, rank_on),)),
         Recording(
             "run:trainpatrol_gpu_utilization_ratio:avg",
             f"avg by ({run_on}) (\n{indent(on_rank(cfg, gpu_utilization(cfg)))}\n)",
-        ),
-        # Peak over the probe's window, so an OOM-sized spike between two scrapes still shows.
-        Recording(
-            PEAK_USED_RANK,
-            f"{s('trainpatrol_cuda_memory_peak_allocated_bytes')}\n/ on ({rank_on})\n"
-            f"({s('trainpatrol_cuda_memory_capacity_bytes')} > 0)",
         ),
         Recording(LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_loss_window_mean')})"),
         Recording(VAL_LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_validation_loss')})"),

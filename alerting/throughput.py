@@ -13,15 +13,17 @@ from .promql import (
     Alert,
     Group,
     gpu_utilization,
+    indent,
     num,
     on_rank,
     rank_labels,
+    rate_ratio,
     run_labels,
     sel,
     unless_halted,
     uuid_of,
 )
-from .recording import COMPUTE_RATIO, LOADER_WAIT_RANK_2M, STRAGGLER_RATIO
+from .recording import COMPUTE_MEAN_RANK, COMPUTE_MEDIAN_RUN, STEP_MEAN_RANK, STEP_MEDIAN_RUN
 
 
 def group(cfg: Config) -> Group:
@@ -39,12 +41,18 @@ def group(cfg: Config) -> Group:
     )
     # Every throughput ratio judges a run that trains: none while any rank of it is paused, stopping,
     # stopped, closed or down, nor for as long as the ratio's window still holds such a time.
-    loader = f"{LOADER_WAIT_RANK_2M} > {num(cfg.loader_wait_ratio)}\n" + unless_halted(run_on, "2m")
-    # A rank's compute time where it measures one (CPU ranks); its step time otherwise, which lock-step
-    # parallelism evens out.
+    loader_ratio = rate_ratio(cfg, "trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum",
+                              "2m")
+    loader = f"(\n{indent(loader_ratio)}\n)\n> {num(cfg.loader_wait_ratio)}\n" + unless_halted(run_on, "2m")
+    # A rank's mean over its run's median rank (1.5: half as slow again): its compute time where it measures
+    # one (CPU ranks), its step time otherwise, which lock-step parallelism evens out.
+    def over_median(per_rank: str, median: str) -> str:
+        return f"{per_rank}\n/ on ({run_on}) group_left ()\n({median} > 0)"
+    compute = over_median(COMPUTE_MEAN_RANK, COMPUTE_MEDIAN_RUN)
     ratio = num(cfg.straggler_ratio)
-    straggler = (f"(\n  {COMPUTE_RATIO} > {ratio}\n  or\n  ({STRAGGLER_RATIO} > {ratio}\n"
-                 f"  unless on ({rank_on}) {COMPUTE_RATIO})\n)\n" + unless_halted(run_on, "5m"))
+    straggler = (f"(\n  (\n{indent(compute, '    ')}\n  ) > {ratio}\n  or\n  (\n"
+                 f"{indent(over_median(STEP_MEAN_RANK, STEP_MEDIAN_RUN), '    ')}\n  ) > {ratio}\n"
+                 f"  unless on ({rank_on}) {COMPUTE_MEAN_RANK}\n)\n" + unless_halted(run_on, "5m"))
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
     cb = cfg.checkpoint_blocked_window
     rules = (

@@ -56,6 +56,7 @@ import platform
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -532,6 +533,10 @@ class Watch:
     maxima: dict[str, float] = field(default_factory=dict)
     last: dict[str, float] = field(default_factory=dict)
     rule_seconds: dict[str, float] = field(default_factory=dict)
+    rule_samples: dict[str, list[float]] = field(default_factory=dict)
+    """Each group's last evaluation time at every sample, for its median."""
+    slowest_rules: dict[str, float] = field(default_factory=dict)
+    """The most each rule's own evaluation took (/api/v1/rules), by group/rule name."""
     missed: dict[str, float] = field(default_factory=dict)
     named_by: dict[tuple[str, bool], list[str]] = field(default_factory=dict)
     """The alerts or series that named the fault rank first, by (watch, after the fault)."""
@@ -759,6 +764,16 @@ def sample_prometheus(prom: str, watch: Watch) -> None:
     for labels, value in page.get("prometheus_rule_group_last_duration_seconds", []):
         group = labels.get("rule_group", "").rpartition(";")[2]
         watch.rule_seconds[group] = max(watch.rule_seconds.get(group, 0.0), value)
+        watch.rule_samples.setdefault(group, []).append(value)
+    try:
+        groups = json.loads(http_get(f"{prom}/api/v1/rules"))["data"]["groups"]
+    except (OSError, ValueError, KeyError):
+        watch.query_errors += 1
+        groups = []
+    for g in groups:
+        for rule in g["rules"]:
+            key = f"{g['name']}/{rule['name']}"
+            watch.slowest_rules[key] = max(watch.slowest_rules.get(key, 0.0), float(rule.get("evaluationTime", 0)))
     for labels, value in page.get("prometheus_rule_group_iterations_missed_total", []):
         watch.missed[labels.get("rule_group", "").rpartition(";")[2]] = value
     for name in ("prometheus_notifications_dropped_total", "prometheus_rule_evaluation_failures_total"):
@@ -810,6 +825,10 @@ def prometheus_report(watch: Watch, cpu: float, final: dict[str, float | None]) 
         "rss_mb_max": round(m.get("process_resident_memory_bytes", 0) / 2**20, 1),
         "cpu_core_share": round(cpu, 3),
         "rule_group_last_duration_seconds_max": {g: round(v, 4) for g, v in sorted(watch.rule_seconds.items())},
+        "rule_group_last_duration_seconds_median": {g: round(statistics.median(v), 4)
+                                                    for g, v in sorted(watch.rule_samples.items())},
+        "slowest_rules_seconds_max": dict(sorted(((r, round(v, 4)) for r, v in watch.slowest_rules.items()),
+                                                 key=lambda kv: -kv[1])[:12]),
         "rule_group_iterations_missed": {g: v for g, v in sorted(watch.missed.items()) if v},
         "rule_evaluation_failures": m.get("prometheus_rule_evaluation_failures_total"),
         "notifications_dropped": m.get("prometheus_notifications_dropped_total"),
