@@ -117,7 +117,7 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "collector_duration_seconds", "gauge", "seconds", "Duration of the collector's last collection (it collects when it has something new).", "collector"),
     _a(P + "rank_up", "gauge", "", "1 while the rank pushed within the liveness TTL.", "run", "rank"),
     _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
-    _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced.", "run", "rank"),
+    _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced: the rank's own clock at that step's end, to the sub-second (kept between its previous push and the one that reported the step, the agent's clock on a rank's first push).", "run", "rank"),
     _a(P + "run_actions_total", "counter", "", "Control actions carried out in a run, by action and outcome: the most that any of this agent's ranks of the run reports (every rank carries out each agreed action once). max by (run, action, outcome) over agents.", "run", "action", "outcome"),
     _a(P + "run_restarts", "gauge", "", "Restarts of the run so far (torchrun's TORCHELASTIC_RESTART_COUNT, as each rank pushes it): the most any of this agent's ranks of the run reports. The run-timeline dashboard marks each increase.", "run"),
     _a(P + "run_step_duration_seconds", "histogram", "seconds", "Wall time of one optimizer step, the histograms of this agent's ranks of the run summed. sum by (run, le) over agents gives the run's quantiles.", "run"),

@@ -121,6 +121,9 @@ class RankSnapshot(BaseModel):
     seq: int = Field(default=0, ge=0)
     time: float = 0.0
     step: int = Field(default=0, ge=0)
+    step_time: float = Field(default=0.0, ge=0)
+    """The rank's wall clock when its last step ended (0 before the first): the agent's last-step timestamp
+    to the sub-second, kept between this rank's previous push and this one."""
     state: RankState = "running"
     samples: list[Sample] = Field(default_factory=list, max_length=4096)
     histogram: Histogram | None = None

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exposition_check import Watched, assert_as_generate_latest, assert_clean, text
 from exposition_check import value as sample_value
-from fake_clock import T0, Clock
+from fake_clock import T0, Clock, script_perf_counter
 from loops import scripted_patrol
 from nvml_fake.fake import FakeNvml
 from servers import agent, http_json, wait_for
@@ -115,6 +115,41 @@ def test_vanished_run_is_removed_after_rank_expire() -> None:
     assert liveness(registry, "gone") == (None, None, None, None)
     assert [ln for ln in text(registry).decode().splitlines() if not ln.startswith("#")] == []
     assert store.runs() == {}
+
+
+def test_the_last_step_time_is_the_ranks_own_to_the_sub_second_within_its_push_interval() -> None:
+    """Pushes fall on whole seconds on every rank; the step's own end orders the ranks. A clock that runs ahead
+    or behind (or lies) moves the timestamp by at most the time since the rank's previous push."""
+    clock = Clock()
+    store, registry = store_and_registry(clock)
+    store.push(snap(step=5, seq=1, step_time=T0 - 0.4))
+    assert liveness(registry)[2] == T0  # a first push: nothing bounds the rank's clock from below
+    clock.now = T0 + 1
+    store.push(snap(step=6, seq=2, step_time=T0 + 0.637))
+    assert liveness(registry)[1:3] == (T0 + 1, T0 + 0.637)
+    clock.now = T0 + 2
+    store.push(snap(step=7, seq=3, step_time=T0 + 7))  # ahead of the agent: now
+    assert liveness(registry)[2] == T0 + 2
+    clock.now = T0 + 3
+    store.push(snap(step=8, seq=4, step_time=T0 - 100))  # behind: no earlier than the previous push
+    assert liveness(registry)[2] == T0 + 2
+    clock.now = T0 + 4
+    store.push(snap(step=8, seq=5, step_time=T0 + 3.5))  # the step did not advance: nothing moves
+    assert liveness(registry)[2] == T0 + 2
+
+
+def test_a_patrol_pushes_the_wall_clock_of_its_last_step_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = script_perf_counter(monkeypatch)
+    patrol = scripted_patrol(tmp_path)
+    assert patrol._report.snapshot()["step_time"] == 0.0  # no step yet
+    steps.now = 10.0
+    patrol.boundary()
+    patrol.step(torch.tensor(1.0))
+    patrol.boundary()
+    steps.now = 12.5  # the step ended 2.5 s (of the step clock) before the push
+    pushed = patrol._report.snapshot()
+    assert pushed["step"] == 1 and pushed["step_time"] == pytest.approx(pushed["time"] - 2.5, abs=1e-6)
+    patrol.close()
 
 
 def test_agent_serves_liveness_on_its_clock() -> None:

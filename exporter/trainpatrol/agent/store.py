@@ -120,7 +120,8 @@ class RankStore:
             advanced = old is None or snap.step != old.snapshot.step
             if old is not None and advanced and old.snapshot.instance == snap.instance:
                 self._trained.add(run)
-            entry = self._ranks[key] = RankEntry(snap, now, now if advanced else old.last_step_advance)  # type: ignore[union-attr]
+            stepped = _step_time(snap, old, now) if advanced else old.last_step_advance  # type: ignore[union-attr]
+            entry = self._ranks[key] = RankEntry(snap, now, stepped)
             self._next_expiry = min(self._next_expiry, self._deadline(entry))
             if not self._commands.get(run):
                 return []  # the common case: nothing queued, so nothing to retire or hand out
@@ -374,6 +375,13 @@ class RankStore:
             "last_checkpoint": max(checkpoints, default=""),
             "pending_commands": [c.model_dump() for c in self.pending(run, namespace)],
         }
+
+
+def _step_time(snap: RankSnapshot, old: RankEntry | None, now: float) -> float:
+    """When the rank's step advanced: its own clock to the sub-second, kept between its previous push (the step
+    had not advanced then) and this one, so a skewed or lying clock moves it by at most a push interval."""
+    earliest = old.last_push if old is not None else now
+    return min(max(snap.step_time, earliest), now) if snap.step_time > 0 else now
 
 
 def _run_state(states: list[str]) -> str:

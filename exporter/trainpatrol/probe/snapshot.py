@@ -69,13 +69,14 @@ class RankReport:
         if self.stall_watch is not None:
             recorder.latest.stalled_phase = self.stall_watch.check()
         self.seq += 1
-        ident, totals, record = self.identity, recorder.totals, self.record
+        ident, totals, record, now = self.identity, recorder.totals, self.record, time.time()
         return {
             "run": self.config.run, "rank": ident.rank, "instance": self._instance, "local_rank": ident.local_rank,
             "world_size": ident.world_size, "host": ident.host, "pid": os.getpid(), "gpu_uuid": ident.gpu_uuid,
             **self.workload.fields(),
             "restart_count": self._restarts,
-            "seq": self.seq, "time": time.time(), "step": totals.steps, "state": record.state,
+            "seq": self.seq, "time": now, "step": totals.steps, "step_time": self._step_time(now),
+            "state": record.state,
             "samples": samples(totals, recorder.latest, recorder.history, self.guards.trips, self.guards.active,
                                record, ident.info_labels(self.workload), self.audit,
                                self.publisher.dropped if self.publisher else 0, self._publisher_cpu_share()),
@@ -84,6 +85,11 @@ class RankReport:
             "done_commands": list(self._done_commands),
             "last_checkpoint": record.last_checkpoint, "evidence_dir": record.last_evidence,
         }
+
+    def _step_time(self, now: float) -> float:
+        """The wall clock at the last step boundary, from the step clock (the training thread reads no wall clock)."""
+        recorder = self.recorder
+        return now - (time.perf_counter() - recorder.last_step_end) if recorder.totals.steps else 0.0
 
     def _publisher_cpu_share(self) -> float:
         """The publisher thread's CPU seconds per second, over the last second or more."""
