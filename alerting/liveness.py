@@ -6,10 +6,9 @@ from .config import Config
 from .promql import (
     INSTANCE,
     RANK,
-    RANK_STALLED,
+    RANK_ODD,
     RANK_STATE_FINISHED,
     RUN,
-    STALL_PHASES,
     Alert,
     Group,
     num,
@@ -48,23 +47,15 @@ def group(cfg: Config) -> Group:
         ")\n"
         f"and on ({rank_on})\n({s('trainpatrol_rank_up')} == 1)\n"
         + unless_halted(rank_on, stall_window, stalled=False)
+        # a run with a rank stuck where the others are not raises RankHung for that rank alone
+        + f"\nunless on ({run_on})\n  {RANK_ODD}"
     )
-    # The rank stuck in another phase than most stalled ranks of its run: in a lock-step job the others wait
-    # for it (in the gradient all-reduce, a collective, Patrol's boundary exchange).
-    by_phase = f'count_values by ({run_on}) ("phase", {RANK_STALLED})'
-    hung = (
-        f'count_values without () ("phase", {RANK_STALLED})\n'
-        f"* on ({run_on}, phase) group_left ()\n{by_phase}\n"
-        f"< on ({run_on}) group_left ()\nmax by ({run_on}) ({by_phase})"
-    )
-    for code, name in enumerate(STALL_PHASES[1:], 1):
-        hung = f'label_replace(\n{hung},\n"phase", "{name}", "phase", "{code}")'
     # A rank that closed or stopped on purpose is not down.
     finished = f"{s('trainpatrol_rank_state')} >= {RANK_STATE_FINISHED}"
     down = f"{s('trainpatrol_rank_up')} == 0\nunless on ({rank_on})\n({finished})"
     rules = (
         Alert(
-            "RankHung", hung, "critical",
+            "RankHung", RANK_ODD, "critical",
             "A rank is stuck where the other ranks of its run are not.",
             f"Rank {RANK} of run {RUN} on {INSTANCE} has not reached a step boundary for longer than Patrol's "
             "stall time and is stuck in {{ $labels.phase }}, while most stalled ranks of the run are elsewhere "

@@ -61,6 +61,9 @@ RANK_STATE_FINISHED = RANK_STATES.index("stopped")
 RANK_HALTED = "run_rank:trainpatrol_rank_state:halted"
 RANK_STALLED = "run_rank:trainpatrol_rank_stalled_phase:stalled"
 """The phase (``trainpatrol_rank_stalled_phase``) of each rank whose training thread Patrol found stuck."""
+RANK_ODD = "run_rank:trainpatrol_rank_stalled_phase:odd"
+"""The stalled ranks stuck in another phase than most stalled ranks of their run (label ``phase``, its name; the
+value: how many stalled ranks share that phase): in a lock-step job the others wait for them."""
 STALL_PHASES = ("", "data", "forward", "backward", "optimizer", "collective", "boundary")
 """``trainpatrol_rank_stalled_phase``'s encoding (trainpatrol.probe.stall_watch.PHASES)."""
 """1 for each rank that is pausing, paused, stopping, stopped or closed, or down (``rank_up`` 0)."""

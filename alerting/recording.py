@@ -23,8 +23,10 @@ from .promql import (
     RANK_COPIED,
     RANK_HALTED,
     RANK_INFO,
+    RANK_ODD,
     RANK_STALLED,
     RANK_STATE_HALTED,
+    STALL_PHASES,
     Group,
     Recording,
     dcgm_gpu_labels,
@@ -86,6 +88,7 @@ def group(cfg: Config) -> Group:
         ),
         # Ranks that Patrol found stuck, by phase: RankHung names the odd one; other alerts look away.
         Recording(RANK_STALLED, f"{s('trainpatrol_rank_stalled_phase')} > 0"),
+        Recording(RANK_ODD, _odd_ranks(run_on)),
         # Time waiting for data over step time: above about 0.3 the GPU starves (TrainPatrolDataLoaderBound
         # reads its own 2 m ratio).
         Recording(
@@ -124,6 +127,19 @@ def group(cfg: Config) -> Group:
         Recording(VAL_LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_validation_loss')})"),
     )
     return Group("trainpatrol-recording", rules)
+
+
+def _odd_ranks(run_on: str) -> str:
+    """The stalled ranks whose phase fewer of their run's stalled ranks share than its most common one."""
+    by_phase = f'count_values by ({run_on}) ("phase", {RANK_STALLED})'
+    odd = (
+        f'count_values without () ("phase", {RANK_STALLED})\n'
+        f"* on ({run_on}, phase) group_left ()\n{by_phase}\n"
+        f"< on ({run_on}) group_left ()\nmax by ({run_on}) ({by_phase})"
+    )
+    for code, name in enumerate(STALL_PHASES[1:], 1):
+        odd = f'label_replace(\n{odd},\n"phase", "{name}", "phase", "{code}")'
+    return odd
 
 
 def _every_rank(cfg: Config, rank_info: str, on: str, copied: str, rank_on: str) -> str:

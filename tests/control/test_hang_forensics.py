@@ -1,7 +1,9 @@
 """A hung lock-step job names the rank that is not where the others are: 4 gloo DDP ranks under torchrun, rank 2
 blocks in its data loading while ranks 0, 1 and 3 wait for it in the gradient all-reduce. Every live rank writes
 its part of the stall bundle (stacks, phase) from Patrol's own thread, rank 0's stall.json names rank 2 and its
-phase, and the agent serves each rank's stalled phase; a run whose loader is slow but steady writes nothing."""
+phase, the agent serves each rank's stalled phase, and in a real Prometheus with the shipped rules (fast profile)
+TrainPatrolRankHung names rank 2 and is the only alert of the run; a run whose loader is slow but steady writes
+nothing and raises no stall alert."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
-from servers import REPO, agent, http_get, python_env, wait_for
+from servers import REPO, agent, http_get, prometheus, python_env, query, wait_for
 from trainpatrol.probe.stall_watch import PHASES, odd_ranks
 
 WORKER = REPO / "tests" / "control" / "lockstep_worker.py"
+RULES = REPO / "alerting" / "rules-fast.yml"
 
 
 def torchrun(tmp: Path, url: str, **env: str) -> subprocess.Popen[str]:
@@ -32,8 +36,19 @@ def stalled_phases(url: str) -> dict[int, int]:
     return out
 
 
+def alerts_of_the_run(prom: str, since: float) -> dict[str, set[tuple[str, str]]]:
+    """Every alert of run "hang" that was pending or firing since ``since``: its (rank, phase) pairs by name."""
+    window = f"{int(time.time() - since) + 2}s"
+    out: dict[str, set[tuple[str, str]]] = {}
+    for r in query(prom, f'max_over_time(ALERTS{{run="hang"}}[{window}])'):
+        m = r["metric"]
+        out.setdefault(m["alertname"], set()).add((m.get("rank", ""), m.get("phase", "")))
+    return out
+
+
 def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_reduce(tmp_path: Path) -> None:
-    with agent(tmp_path) as url:
+    with agent(tmp_path) as url, prometheus(tmp_path, [url.removeprefix("http://")], [RULES]) as prom:
+        since = time.time()
         job = torchrun(tmp_path, url, STEPS="40", HANG_RANK="2", HANG_AT="30", HANG_SECONDS="25")
         seen: dict[int, int] = {}
         try:
@@ -53,7 +68,11 @@ def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_re
                 assert "MainThread" in (part / "stacks.txt").read_text() or "Current thread" in (
                     part / "stacks.txt").read_text()
                 assert json.loads((part / "extra.json").read_text())["stall"]["step"] == 30
+            hung = 'ALERTS{alertname="TrainPatrolRankHung",alertstate="firing",run="hang"}'
+            wait_for(lambda: query(prom, hung), 30, interval=0.5, what="TrainPatrolRankHung firing")
             wait_for(lambda: not any(stalled_phases(url).values()), 60, what="the run steps again")
+            # one alarm for the hang: RankHung for rank 2 alone; no RankStalled for every rank, no training signal
+            assert alerts_of_the_run(prom, since) == {"TrainPatrolRankHung": {("2", "data")}}
             output, _ = job.communicate(timeout=120)
             assert job.returncode == 0, output[-3000:]
         finally:
@@ -63,7 +82,8 @@ def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_re
 
 
 def test_a_slow_but_steady_loader_is_no_stall(tmp_path: Path) -> None:
-    with agent(tmp_path) as url:
+    with agent(tmp_path) as url, prometheus(tmp_path, [url.removeprefix("http://")], [RULES]) as prom:
+        since = time.time()
         job = torchrun(tmp_path, url, STEPS="12", SLOW_LOADER="0.4")
         highest: list[int] = [0]
         done = threading.Event()
@@ -81,7 +101,8 @@ def test_a_slow_but_steady_loader_is_no_stall(tmp_path: Path) -> None:
             done.set()
             watcher.join()
         assert job.returncode == 0, output[-3000:]
-    assert highest[0] == 0 and not list((tmp_path / "evidence").glob("stall-*"))
+        stall_alerts = {"TrainPatrolRankHung", "TrainPatrolRankStalled"} & set(alerts_of_the_run(prom, since))
+    assert highest[0] == 0 and not list((tmp_path / "evidence").glob("stall-*")) and not stall_alerts
 
 
 def test_the_odd_ranks_are_those_outside_the_common_phase() -> None:

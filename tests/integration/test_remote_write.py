@@ -227,7 +227,9 @@ def test_remote_write_forwards_the_trainpatrol_series_and_every_dashboard_reads_
             latest = (f'trainpatrol_rank_up{{run="{RUN}"}}', "run:trainpatrol_step:max_rate5m")
             wait_for(lambda: min(query_value(edge, f"max(timestamp({x}))") or 0 for x in latest) > end, 30,
                      what="the edge scraped and evaluated after the run")
-            # the series recorded last (a closed rank's halted mark) have reached the receiver too
+            # the series recorded last (a closed rank's halted mark) exist on the edge, then reach the receiver too
+            wait_for(lambda: query(edge, f'run_rank:trainpatrol_rank_state:halted{{run="{RUN}"}}'), 30,
+                     what="the closed rank's halted mark on the edge")
             wait_for(lambda: {n for n in names(edge, start, end) if forwarded(n)} <= names(central, start, end), 30,
                      what="every forwarded series at the receiver")
             window = end - start + 600  # every sample of the run, and before
