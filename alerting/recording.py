@@ -40,11 +40,9 @@ from .promql import (
     sel,
 )
 
-LOADER_WAIT_RANK = "run_rank:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
 LOADER_WAIT_RUN = "run:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m"
 STEP_MEAN_RANK = "run_rank:trainpatrol_step_duration_seconds:mean5m"
 STEP_MEDIAN_RUN = "run:trainpatrol_step_duration_seconds:median_mean5m"
-COMPUTE_MEAN_RANK = "run_rank:trainpatrol_compute_seconds_per_step:mean5m"
 COMPUTE_MEDIAN_RUN = "run:trainpatrol_compute_seconds_per_step:median_mean5m"
 STEP_RATE_RUN = "run:trainpatrol_step:max_rate5m"
 LOSS_RUN = "run:trainpatrol_loss_window_mean:avg"
@@ -89,12 +87,8 @@ def group(cfg: Config) -> Group:
         # Ranks that Patrol found stuck, by phase: RankHung names the odd one; other alerts look away.
         Recording(RANK_STALLED, f"{s('trainpatrol_rank_stalled_phase')} > 0"),
         Recording(RANK_ODD, _odd_ranks(run_on)),
-        # Time waiting for data over step time: above about 0.3 the GPU starves (TrainPatrolDataLoaderBound
-        # reads its own 2 m ratio).
-        Recording(
-            LOADER_WAIT_RANK,
-            rate_ratio(cfg, "trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum", "5m"),
-        ),
+        # Time waiting for data over step time, of the whole run: above about 0.3 the GPUs starve (a rank's own is
+        # its trainpatrol_loader_wait_ratio; TrainPatrolDataLoaderBound reads a 2 m ratio of its own).
         Recording(
             LOADER_WAIT_RUN,
             ratio_by_run("trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum"),
@@ -113,9 +107,7 @@ def group(cfg: Config) -> Group:
         Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
         # Compute time apart from the waits: under DDP every rank waits for the slowest at the all-reduce, so
         # step times even out; a slow rank's compute time still stands out from the run's median.
-        Recording(COMPUTE_MEAN_RANK,
-                  rate_ratio(cfg, "trainpatrol_compute_seconds_total", "trainpatrol_step_total", "5m")),
-        Recording(COMPUTE_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {COMPUTE_MEAN_RANK})"),
+        Recording(COMPUTE_MEDIAN_RUN, f"quantile by ({run_on}) (\n  0.5,\n{indent(compute_mean(cfg))}\n)"),
         # The join table from GPUs to ranks: every rank on each GPU (alerting/promql.py, RANK_INFO).
         *((_dcgm_join(cfg, with_gpu, rank_on), _dcgm_newest(cfg, with_gpu, rank_on)) if cfg.gpu_source == "dcgm"
           else (_join(cfg, rank_info, gpu_on, rank_on),)),
@@ -127,6 +119,12 @@ def group(cfg: Config) -> Group:
         Recording(VAL_LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_validation_loss')})"),
     )
     return Group("trainpatrol-recording", rules)
+
+
+def compute_mean(cfg: Config) -> str:
+    """Each rank's mean compute time a step over 5 m (CPU ranks measure it): read by the run's median and by
+    TrainPatrolStraggler, not recorded per rank."""
+    return rate_ratio(cfg, "trainpatrol_compute_seconds_total", "trainpatrol_step_total", "5m")
 
 
 def _odd_ranks(run_on: str) -> str:
@@ -179,7 +177,7 @@ def _dcgm_newest(cfg: Config, with_gpu: str, rank_on: str) -> Recording:
 ROLLUP_QUANTITIES = (
     # (the per-rank series, its name in rollups, its window (none for a gauge), what its top ranks are called)
     (STEP_MEAN_RANK, "trainpatrol_step_duration_seconds", "mean5m", "slowest"),
-    (LOADER_WAIT_RANK, "trainpatrol_loader_wait_seconds_per_step_seconds", "ratio_rate5m", "most_waiting"),
+    ("trainpatrol_loader_wait_ratio", "trainpatrol_loader_wait_ratio", "", "most_waiting"),
     ("trainpatrol_grad_norm", "trainpatrol_grad_norm", "", "largest"),
     ("trainpatrol_cuda_memory_used_ratio", "trainpatrol_cuda_memory_used_ratio", "", "fullest"),
 )

@@ -23,7 +23,7 @@ from .promql import (
     unless_halted,
     uuid_of,
 )
-from .recording import COMPUTE_MEAN_RANK, COMPUTE_MEDIAN_RUN, STEP_MEAN_RANK, STEP_MEDIAN_RUN
+from .recording import COMPUTE_MEDIAN_RUN, STEP_MEAN_RANK, STEP_MEDIAN_RUN, compute_mean
 
 
 def group(cfg: Config) -> Group:
@@ -48,11 +48,12 @@ def group(cfg: Config) -> Group:
     # one (CPU ranks), its step time otherwise, which lock-step parallelism evens out.
     def over_median(per_rank: str, median: str) -> str:
         return f"{per_rank}\n/ on ({run_on}) group_left ()\n({median} > 0)"
-    compute = over_median(COMPUTE_MEAN_RANK, COMPUTE_MEDIAN_RUN)
+    compute = over_median(f"(\n{indent(compute_mean(cfg))}\n)", COMPUTE_MEDIAN_RUN)
     ratio = num(cfg.straggler_ratio)
     straggler = (f"(\n  (\n{indent(compute, '    ')}\n  ) > {ratio}\n  or\n  (\n"
                  f"{indent(over_median(STEP_MEAN_RANK, STEP_MEDIAN_RUN), '    ')}\n  ) > {ratio}\n"
-                 f"  unless on ({rank_on}) {COMPUTE_MEAN_RANK}\n)\n" + unless_halted(run_on, "5m"))
+                 f"  unless on ({rank_on}) {sel(cfg, 'trainpatrol_compute_seconds_total')}\n)\n"
+                 + unless_halted(run_on, "5m"))
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
     cb = cfg.checkpoint_blocked_window
     rules = (

@@ -17,8 +17,9 @@ rank, one more try on a new connection when the agent closed it): ``--pushers`` 
 per agent in each, each thread owning that agent's ranks.
 
 **Fault.** ``--fault-after`` seconds into the measurement, rank ``--fault-rank`` becomes a straggler: from
-that instant its steps take ``STRAGGLER_FACTOR`` (1.4) times as long (its histogram's sum and buckets,
-its step, sample and token rates follow; its loader-wait and probe-overhead ratios drop by the factor).
+that instant its steps take ``STRAGGLER_FACTOR`` (1.4) times as long (its histogram's sum and buckets and its
+compute time, and its step, sample and token rates follow; its loader-wait and probe-overhead ratios drop by the
+factor).
 
 **Watching.** One Prometheus scrapes every agent every ``--scrape-interval`` seconds and evaluates
 ``--rules`` at the same pace; its alerts go to a real Alertmanager (``prometheus-alertmanager``, every
@@ -96,6 +97,8 @@ ranks of a synchronous run finish steps together but time them a little differen
 would make every topk of step times name arbitrary ranks."""
 PER_STEP_RATIOS = ("trainpatrol_loader_wait_ratio", "trainpatrol_probe_overhead_ratio")
 """Gauges that divide by the step time: a straggler's are lower by the factor."""
+PER_STEP_SECONDS = ("trainpatrol_compute_seconds_total",)
+"""Counters of time spent computing each step: a straggler's grow by the factor faster (its compute is slow)."""
 RANK_SPECIFIC_LABELS = ("local_rank", "world_size", "host", "gpu_uuid")
 RANKS_PER_NODE = 8
 DEFAULT_AGENT = AgentConfig()
@@ -200,6 +203,7 @@ class Replay:
         bounds = [*STEP_DURATION_BUCKETS, float("inf")]
         counts = [0.0] * len(bounds)
         total = 0.0
+        slower = {i for i, name in enumerate(self.names) if name in PER_STEP_SECONDS}
         for j, frame in enumerate(self.frames):
             if j:
                 before = self.frames[j - 1]
@@ -210,7 +214,8 @@ class Replay:
                     for i in range(b, len(bounds)):
                         counts[i] += stepped
                     total += factor * took
-            parts.append([v - f for v, f in zip(frame[:n], first[:n], strict=True)] + counts + [total])
+            parts.append([(v - f) * (factor if i in slower else 1.0)
+                          for i, (v, f) in enumerate(zip(frame[:n], first[:n], strict=True))] + counts + [total])
         ratios = [i for i, name in enumerate(self.names) if name in PER_STEP_RATIOS]
         return Track(parts[:-1], parts[-1], self.step_seconds * factor, 1.0 / factor, ratios)
 

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from servers import REPO, agent, http_get, prometheus, python_env, query, wait_for
+from servers import REPO, agent, http_get, http_json, prometheus, python_env, query, wait_for
 from trainpatrol.probe.stall_watch import PHASES, odd_ranks
 
 WORKER = REPO / "tests" / "control" / "lockstep_worker.py"
@@ -49,7 +49,10 @@ def alerts_of_the_run(prom: str, since: float) -> dict[str, set[tuple[str, str]]
 def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_reduce(tmp_path: Path) -> None:
     with agent(tmp_path) as url, prometheus(tmp_path, [url.removeprefix("http://")], [RULES]) as prom:
         since = time.time()
-        job = torchrun(tmp_path, url, STEPS="40", HANG_RANK="2", HANG_AT="30", HANG_SECONDS="25")
+        # each forward 30 ms: compute times as even as a real lock-step job's, not the scheduler noise of a 1 ms MLP
+        # on 4 processes over 2 cores (which the fast profile's Straggler, for: 0s, reads as stragglers)
+        job = torchrun(tmp_path, url, STEPS="40", HANG_RANK="2", HANG_AT="30", HANG_SECONDS="30",
+                       FORWARD_SECONDS="0.03")
         seen: dict[int, int] = {}
         try:
             def all_stalled() -> bool:
@@ -63,6 +66,10 @@ def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_re
             summary = json.loads(summary_file.read_text())
             assert summary["odd_ranks"] == [2] and summary["phases"] == {
                 "0": "backward", "1": "backward", "2": "data", "3": "backward"} and summary["no_part"] == []
+            # gloo's Flight Recorder: the waiting ranks entered one more all-reduce than rank 2
+            last = {int(r): groups["0"] for r, groups in summary["last_collectives"].items()}
+            assert summary["behind_ranks"] == [2] and {v["op"] for v in last.values()} == {"gloo:all_reduce"}
+            assert last[0]["seq"] == last[1]["seq"] == last[3]["seq"] == last[2]["seq"] + 1, last
             for r in range(4):
                 part = tmp_path / "evidence" / "stall-step00000030" / f"rank-{r:05d}"
                 assert "MainThread" in (part / "stacks.txt").read_text() or "Current thread" in (
@@ -70,6 +77,15 @@ def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_re
                 assert json.loads((part / "extra.json").read_text())["stall"]["step"] == 30
             hung = 'ALERTS{alertname="TrainPatrolRankHung",alertstate="firing",run="hang"}'
             wait_for(lambda: query(prom, hung), 30, interval=0.5, what="TrainPatrolRankHung firing")
+            # a capture asked for while every rank is stuck is carried out from Patrol's own thread, not queued for
+            # a step boundary that the hung ranks do not reach
+            asked = http_json(f"{url}/v1/runs/hang/actions", {"action": "capture", "reason": "operator, while hung"})
+            capture = tmp_path / "evidence" / f"stall-step00000030-capture{asked['id']}"
+            wait_for((capture / "manifest.json").is_file, 20, what="the capture's bundle while the run hangs")
+            assert any(stalled_phases(url).values()), "the capture came only after the hang"
+            assert sorted(p.name for p in capture.glob("rank-*")) == [f"rank-{r:05d}" for r in range(4)]
+            assert json.loads((capture / "trigger.json").read_text())["reason"] == "operator, while hung"
+            assert json.loads((capture / "stall.json").read_text())["odd_ranks"] == [2]
             wait_for(lambda: not any(stalled_phases(url).values()), 60, what="the run steps again")
             # one alarm for the hang: RankHung for rank 2 alone; no RankStalled for every rank, no training signal
             assert alerts_of_the_run(prom, since) == {"TrainPatrolRankHung": {("2", "data")}}

@@ -252,7 +252,7 @@ def check(edge: str, central: str, start: float, end: float) -> None:
     assert central_names == expected, (sorted(expected - central_names), sorted(central_names - expected))
     for name in ("trainpatrol_rank_up", "trainpatrol_step_total", "trainpatrol_gpu_utilization_ratio",
                  "run:trainpatrol_step:max_rate5m", "run_rank:trainpatrol_step_duration_seconds:mean5m",
-                 "run_rank:trainpatrol_loader_wait_seconds_per_step_seconds:ratio_rate5m",
+                 "run:trainpatrol_loader_wait_ratio:max",
                  "instance_uuid_rank:trainpatrol_rank_info:live", "run:trainpatrol_gpu_utilization_ratio:avg",
                  "run:trainpatrol_validation_loss:avg"):
         assert name in central_names, name

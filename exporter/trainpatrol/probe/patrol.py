@@ -27,6 +27,7 @@ from ..control.evidence_writer import EvidenceWriter
 from ..control.run_record import RunRecord
 from ..control.training_state import STATEFUL, TrainingState
 from ..protocol import ActionRecord
+from .collective_trace import enable_flight_recorder
 from .config import PatrolConfig
 from .control_loop import ControlLoop, guard_trips
 from .embedded import ensure_agent
@@ -46,6 +47,8 @@ from .workload import detect as detect_workload
 
 log = logging.getLogger("trainpatrol")
 T = TypeVar("T")
+
+enable_flight_recorder()  # on import: torch sizes the trace when the user's init_process_group runs, after it
 
 
 class Patrol:
@@ -162,7 +165,8 @@ class Patrol:
                                     rearm_guards=self._guards.rearm)
         control = self._control
         self._report.stall_watch = StallWatch(
-            self._recorder, self._record, self._evidence, cfg.evidence_dir, identity.rank, identity.world_size,
+            self._recorder, self._record, self._commands, self._evidence, cfg.evidence_dir, identity.rank,
+            identity.world_size,
             multiple=cfg.stall_step_multiple, floor_seconds=cfg.stall_seconds, acting=lambda: control.acting)
         self._compute_hook = self._time_compute(model) if self._device.type == "cpu" else None
         if cfg.record_memory_history:

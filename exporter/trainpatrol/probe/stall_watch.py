@@ -24,8 +24,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..control.commands import CommandBook
 from ..control.evidence_writer import EvidenceWriter
 from ..control.run_record import RunRecord
+from .collective_trace import behind_ranks, collective_trace
 from .step_recorder import StepRecorder
 
 log = logging.getLogger("trainpatrol")
@@ -66,11 +68,12 @@ def odd_ranks(phases: dict[int, str]) -> list[int]:
 
 
 class StallWatch:
-    def __init__(self, recorder: StepRecorder, record: RunRecord, evidence: EvidenceWriter, evidence_dir: str,
-                 rank: int, world_size: int, *, multiple: float, floor_seconds: float,
+    def __init__(self, recorder: StepRecorder, record: RunRecord, commands: CommandBook, evidence: EvidenceWriter,
+                 evidence_dir: str, rank: int, world_size: int, *, multiple: float, floor_seconds: float,
                  acting: Callable[[], bool]) -> None:
         """``acting``: whether the training thread carries out an action (a checkpoint's write is no stall)."""
         self._recorder, self._record, self._evidence, self._acting = recorder, record, evidence, acting
+        self._commands = commands
         self._dir, self._rank, self._world = Path(evidence_dir), rank, world_size
         self._multiple, self._floor = multiple, floor_seconds
         self._captured_step = -1
@@ -94,13 +97,31 @@ class StallWatch:
         phase = phase_of(sys._current_frames().get(recorder.owner))
         if self._captured_step != step:
             self._captured_step = step
-            self._capture(step, phase, since, threshold)
+            self._capture(self._dir / f"stall-step{step:08d}", step, phase, since, threshold,
+                          {"source": "stall", "reason": f"no step boundary for {threshold:.0f} s"})
+        asked = self._commands.pending().get("capture")
+        if asked is not None:
+            self._carry_out(asked, step, phase, since, threshold)
         return PHASES.index(phase)
 
-    def _capture(self, step: int, phase: str, since: float, threshold: float) -> None:
-        bundle = self._dir / f"stall-step{step:08d}"
+    def _carry_out(self, command: dict[str, Any], step: int, phase: str, since: float, threshold: float) -> None:
+        """A capture asked for while the training thread is stuck would wait for a boundary it does not reach: it is
+        written from here, as the stall's own is, and reported done."""
+        cid = int(command["id"])
+        bundle = self._dir / f"stall-step{step:08d}-capture{cid}"
+        trigger = {"source": command.get("source") or "agent", "reason": command.get("reason", ""),
+                   "command_id": cid, **({"alert": command["alert"]} if command.get("alert") else {})}
+        written = self._capture(bundle, step, phase, since, threshold, trigger)
+        self._commands.mark_done([cid])
+        self._record.action(cid, "capture", "ok" if written else "failed", step,
+                            f"written while the training thread is stuck in {phase}",
+                            evidence=str(bundle) if written else "")
+
+    def _capture(self, bundle: Path, step: int, phase: str, since: float, threshold: float,
+                 trigger: dict[str, Any]) -> bool:
         facts = {"rank": self._rank, "step": step, "phase": phase, "seconds_since_step": round(since, 3),
-                 "threshold_seconds": round(threshold, 3), "time": time.time()}
+                 "threshold_seconds": round(threshold, 3), "time": time.time(),
+                 "collectives": collective_trace()}
         log.error("trainpatrol: rank %d stalled at step %d for %.0f s, in %s; stacks in %s", self._rank, step,
                   since, phase, bundle)
         try:
@@ -108,33 +129,40 @@ class StallWatch:
                                 nvml={"available": False, "reason": "not fetched for a stall capture"})
         except OSError as exc:
             log.warning("trainpatrol: stall evidence not written: %s", exc)
-            return
+            return False
         self._record.last_evidence = str(bundle)
         if self._rank == 0:
-            threading.Thread(target=self._name_the_odd_ranks, args=(bundle, step, threshold),
+            threading.Thread(target=self._name_the_odd_ranks, args=(bundle, step, threshold, trigger),
                              name="trainpatrol-stall-index", daemon=True).start()
+        return True
 
-    def _name_the_odd_ranks(self, bundle: Path, step: int, threshold: float) -> None:
+    def _name_the_odd_ranks(self, bundle: Path, step: int, threshold: float, trigger: dict[str, Any]) -> None:
         """On rank 0: the ranks' parts side by side (waiting 5 s, or a quarter of the threshold, for them), the odd
         ranks named in ``stall.json``, then the bundle's manifest and report."""
         deadline = time.monotonic() + min(30.0, max(5.0, threshold / 4))
-        phases: dict[int, str] = {}
+        parts: dict[int, dict[str, Any]] = {}
         while True:
-            phases = _phases(bundle)
-            if len(phases) >= self._world or time.monotonic() > deadline:
+            parts = _stall_parts(bundle)
+            if len(parts) >= self._world or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        odd = odd_ranks(phases)
+        phases = {r: str(p["phase"]) for r, p in parts.items()}
+        traces = {r: p["collectives"] for r, p in parts.items() if (p.get("collectives") or {}).get("available")}
+        odd, behind = odd_ranks(phases), behind_ranks(traces)
         summary = {"step": step, "world_size": self._world, "phases": {str(r): p for r, p in sorted(phases.items())},
-                   "odd_ranks": odd, "no_part": sorted(set(range(self._world)) - set(phases))}
+                   "odd_ranks": odd, "behind_ranks": behind,
+                   "last_collectives": {str(r): t["last"] for r, t in sorted(traces.items())},
+                   "no_part": sorted(set(range(self._world)) - set(phases))}
         (bundle / "stall.json").write_text(json.dumps(summary, indent=2))
-        log.error("trainpatrol: stall at step %d: %s", step,
-                  f"rank(s) {odd} not where the others are" if odd else f"ranks in {sorted(set(phases.values()))}")
-        self._evidence.index(bundle, {"action": "capture", "step": step, "rank": 0, "stall": summary},
-                             {"source": "stall", "reason": f"no step boundary for {threshold:.0f} s"})
+        named = [f"rank(s) {odd} not where the others are"] if odd else [f"ranks in {sorted(set(phases.values()))}"]
+        if behind:
+            named.append(f"rank(s) {behind} behind in their collectives")
+        log.error("trainpatrol: stall at step %d: %s", step, "; ".join(named))
+        self._evidence.index(bundle, {"action": "capture", "step": step, "rank": 0, "stall": summary}, trigger)
 
 
-def _phases(bundle: Path) -> dict[int, str]:
+def _stall_parts(bundle: Path) -> dict[int, dict[str, Any]]:
+    """Each rank's stall facts written into ``bundle`` so far."""
     out = {}
     for part in bundle.glob("rank-*/extra.json"):
         try:
@@ -142,5 +170,5 @@ def _phases(bundle: Path) -> dict[int, str]:
         except (OSError, ValueError):
             continue
         if "phase" in stall:
-            out[int(stall["rank"])] = str(stall["phase"])
+            out[int(stall["rank"])] = stall
     return out
