@@ -249,6 +249,16 @@ def build() -> dm.Dashboard:
         [*spread(STRAGGLER, stats=("min", "max")), outliers(STRAGGLER, "(slowest)"), drill(STRAGGLER)],
         unit=TIMES, thresholds=steps((None, "green"), (1.2, "red")), w=8,
     ))
+    held = rate("trainpatrol_checkpoint_blocked_seconds_total")
+    d = d.with_panel(ts(
+        "Checkpoints: training held",
+        "How much of the wall time do checkpoints hold training? Seconds blocked per second, on the run's "
+        "least and most held rank and the 3 most held ranks over the time range; above 5 % over an hour "
+        "TrainPatrolCheckpointsBlockTraining fires. With background_checkpoints a checkpoint holds training "
+        "only for its copy into host memory.",
+        [*spread(held, stats=("min", "max")), outliers(held, "(most held)", nonzero=True), drill(held)],
+        unit="percentunit", minimum=0, thresholds=steps((None, "green"), (0.05, "red")), w=8,
+    ))
     state = gauge("trainpatrol_rank_state")
     d = d.with_panel(state_timeline(
         "Rank state",

@@ -1,6 +1,8 @@
 """One rank of a CPU (gloo) FSDP2 job with Patrol: a ``fully_shard`` model, AdamW and a scheduler, with
 checkpoint, pause (resumed a second later), stop and restore asked for by the environment; records what it
-did to OUT/RECORD-R.json at exit, and (DUMP) rank 0 writes the whole model state it ended with."""
+did to OUT/RECORD-R.json at exit, and (DUMP) rank 0 writes the whole model state it ended with. BACKGROUND=1
+writes checkpoints in the background; SLOW_WRITE=S makes each rank's storage take S seconds longer to write its
+shards (a slow disk)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,20 @@ def env_int(name: str) -> int:
     return int(os.environ.get(name, "0"))
 
 
+def slow_storage(seconds: float) -> None:
+    from torch.distributed.checkpoint import filesystem
+
+    write_data = filesystem.FileSystemWriter.write_data
+
+    def slow(self: object, *args: object, **kwargs: object) -> object:
+        time.sleep(seconds)
+        return write_data(self, *args, **kwargs)  # type: ignore[arg-type]
+    filesystem.FileSystemWriter.write_data = slow  # type: ignore[method-assign]
+
+
 def main() -> int:
+    if os.environ.get("SLOW_WRITE"):
+        slow_storage(float(os.environ["SLOW_WRITE"]))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out, name = Path(os.environ["OUT"]), os.environ.get("RECORD", "rank")
@@ -39,10 +54,11 @@ def main() -> int:
     config = PatrolConfig(run="fsdp", agent_url="http://127.0.0.1:9", embedded_agent=False,
                           checkpoint_dir=os.environ["CKPT"], evidence_dir=str(out / "evidence"),
                           push_interval_seconds=3600, pause_poll_seconds=0.05, control_target_seconds=0.02,
-                          guard_actions={})
+                          guard_actions={}, background_checkpoints=bool(os.environ.get("BACKGROUND")))
     patrol = Patrol(model=model, optimizer=opt, scheduler=scheduler, config=config)
     restored = patrol.restore("latest") if os.environ.get("RESTORE") else None
     losses: dict[int, float] = {}
+    seen_at: list[int] = []  # the step count when each action's outcome was first seen
     code = 0
     try:
         while patrol.step_count < env_int("STEPS"):
@@ -57,6 +73,7 @@ def main() -> int:
             opt.zero_grad()
             scheduler.step()
             losses[step] = loss.item()
+            seen_at += [patrol.step_count] * (len(patrol.actions) - len(seen_at))
             if rank == 0 and step == env_int("CHECKPOINT_AT"):
                 patrol.request("checkpoint", "test")
             if rank == 0 and step == env_int("PAUSE_AT"):
@@ -74,7 +91,7 @@ def main() -> int:
         record = {"rank": rank, "exit": code, "steps": patrol.step_count,
                   "restored": {"step": restored.step, "path": restored.path, "skipped": list(restored.skipped)}
                   if restored is not None else None,
-                  "actions": [a.model_dump() for a in patrol.actions], "losses": losses}
+                  "actions": [a.model_dump() for a in patrol.actions], "losses": losses, "seen_at": seen_at}
         (out / f"{name}-{rank}.json").write_text(json.dumps(record))
         patrol.close()
         dist.destroy_process_group()

@@ -692,7 +692,8 @@ def fleet_snapshot(rank: int, seq: int, elapsed: float, gpu_uuid: str) -> dict[s
         ("rank_state", {}, 0.0),
         *(("actions_total", {"action": a, "outcome": o}, checkpoints if (a, o) == ("checkpoint", "ok") else 0.0)
           for a in ALL_ACTIONS for o in ("ok", "failed", "skipped")),
-        ("checkpoint_failures_total", {}, 0.0), ("checkpoint_blocked_seconds_total", {}, 0.4 * checkpoints),
+        ("checkpoint_failures_total", {}, 0.0), ("checkpoint_blocked_seconds_total", {},
+                                                (2.0 if slow else 0.4 + 0.1 * _jitter(rank)) * checkpoints),
         ("checkpoint_write_seconds", {}, 9.0), ("last_checkpoint_timestamp_seconds", {}, time.time()),
         ("last_checkpoint_step", {}, 1000.0), ("control_interval_steps", {}, 1.0), ("push_dropped_total", {}, 0.0),
     ]

@@ -89,6 +89,9 @@ def test_the_run_wrote_its_report(real_bundle: Path) -> None:
     loader = page[page.index('<section id="loader">'):page.index('<section id="gpu">')]
     assert f"<h3>Ranks {', '.join(map(str, range(WORLD)))}</h3>" in loader  # the run's DataLoader, on every rank
     assert "<td>num_workers</td><td>0</td>" in loader and ADVICE["num_workers_zero"] in loader
+    # what the pause's checkpoint cost the run, as its manifest measured it
+    held = json.loads((real_bundle / "manifest.json").read_text())["training_held_seconds"]
+    assert held > 0 and f"<dt>Training held</dt><dd>{held:.3f} s by this checkpoint (written at once)" in page
 
 
 def test_page_is_self_contained(bundle_copy: Path) -> None:

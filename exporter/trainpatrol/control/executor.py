@@ -14,7 +14,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +63,10 @@ class Executor:
         self._rearm_guards = rearm_guards
         self._known: dict[int, dict[str, Any]] = {}
         self._stager = Stager()
-        self._staged: tuple[int, Any, dict[str, Any], float] | None = None
-        """Rank 0's staged state of a ``checkpoint`` action, to be written in the background: (step, state, meta,
-        when the checkpoint began)."""
+        self._shard_writer = sharded.BackgroundWriter()
+        self._staged: tuple[int, Callable[[], dict[str, Any]], dict[str, Any], float] | None = None
+        """A ``checkpoint`` action's write left to a thread: (step, what makes it durable and returns what meta.json
+        adds, meta, when the checkpoint began). Rank 0's staged replicated state, or every rank's staged shards."""
         self._writer: threading.Thread | None = None
 
     def wait_for_write(self) -> None:
@@ -76,6 +79,11 @@ class Executor:
         """Until the work left to threads is done: a checkpoint being written, a report being rendered."""
         self.wait_for_write()
         self.evidence.wait()
+
+    def close(self) -> None:
+        """``wait``, then free the host buffers that shards were staged in."""
+        self.wait()
+        self._shard_writer.close()
 
     # --- entry --------------------------------------------------------------------------------
     def execute(self, agreed: Agreement) -> None:
@@ -121,6 +129,10 @@ class Executor:
                 last = self.checkpointer.latest()
                 detail += (f"; stopping all the same: nothing was saved at step {step}; the last complete "
                            f"checkpoint is {last or 'none'}")
+            # what the report says this checkpoint cost: training held by it, and by every checkpoint so far
+            facts = {**facts, "training_held_seconds": round(time.perf_counter() - blocked_from, 4),
+                     "training_held_seconds_total": round(record.checkpoint_blocked_seconds, 4),
+                     "background": self._staged is not None}
         if action == "empty_cache" and f.device.type == "cuda":
             torch.cuda.empty_cache()
         bundle = self.evidence.bundle(agreed.clock, step, action)
@@ -141,7 +153,7 @@ class Executor:
                 detail = (detail + "; " if detail else "") + f"evidence manifest not written: {exc}"
                 log.error("trainpatrol: %s", detail)
         record.last_evidence = str(bundle)
-        if self._staged is not None:  # rank 0 records the outcome once the state is durable
+        if self._staged is not None:  # the outcome is recorded once the state is durable
             self._write_in_background(cid, str(bundle))
         else:
             record.action(cid, action, "ok" if ok else "failed", step, detail, path, str(bundle))
@@ -152,8 +164,8 @@ class Executor:
     def _checkpoint(self, step: int, pinned: bool, reason: dict[str, Any], write: str,
                     background: bool = False) -> tuple[bool, str, str, dict[str, Any]]:
         """(ok, path, detail, facts): facts say, on rank 0, whether the state is finite and if it is the best.
-        ``write``: names this write the same on every rank (its shards' directory). ``background``: rank 0
-        stages the replicated state in host memory and writes it after training resumes (not for shards).
+        ``write``: names this write the same on every rank (its shards' directory). ``background``: the state is
+        staged in host memory and written after training resumes (rank 0's replicated state; every rank's shards).
         Every rank makes the same collective calls whatever fails, so none waits for ever."""
         rank, checkpointer, training = self.facts.rank, self.checkpointer, self.training
         self.wait_for_write()  # at most one checkpoint in flight
@@ -166,12 +178,15 @@ class Executor:
         state: dict[str, Any] = {}
         replicated: dict[str, Any] | None = None
         staged: Any = None
+        in_flight: Future[Any] | None = None
         try:
             if rank == 0:
                 checkpointer.check_room()
             if shards:
                 state = training.sharded_state()
                 bad = ckpt.nonfinite_entries(state)  # this rank's shards
+                if background:  # only this copy into host memory blocks training
+                    state = self._shard_writer.stage(state)
             replicated = training.replicated(step, sharded=shards) if rank == 0 else None
             if replicated is not None and not shards:
                 bad = ckpt.nonfinite_entries(replicated)
@@ -187,12 +202,20 @@ class Executor:
                           f"this incident's first checkpoint: not written again")
                 log.error("trainpatrol: %s", detail)
                 return True, str(incident), detail, {"finite": False, "same_incident_as": str(incident)}
+            where = checkpointer.path_for(step) / shard_dir
             if background and not shards and replicated is not None:
                 try:  # the state waits in host memory; only this copy blocks training
-                    staged, replicated = self._stager.stage(replicated), None
+                    staged_state, replicated = self._stager.stage(replicated), None
+                    staged = partial(self._durable_replicated, checkpointer.path_for(step), staged_state)
                 except Exception as exc:
                     error = f"rank {rank}: checkpoint not staged: {exc}"
-            error = error or self._write(step, shards, checkpointer.path_for(step) / shard_dir, state, replicated)
+            if background and shards:
+                error = error or self._write(step, False, where, {}, replicated)
+                if not error:
+                    in_flight = self._shard_writer.write(where, state)
+                    staged = partial(self._durable_shards, where, in_flight)
+            else:
+                error = error or self._write(step, shards, where, state, replicated)
         detail = error
         if rank == 0 and not error:
             facts = {"finite": not bad, "nonfinite": bad[:ckpt.NONFINITE_NAMES_KEPT], "nonfinite_count": len(bad)}
@@ -215,6 +238,9 @@ class Executor:
                 log.error("trainpatrol: %s", detail)
         ok = self.coordinator.all_true(ok)
         if not ok:  # no partial step directory stays: every rank's share goes, then the directory
+            if in_flight is not None:  # another rank failed after this one's shards went to DCP's writer
+                with contextlib.suppress(Exception):
+                    in_flight.result()
             with contextlib.suppress(OSError):
                 checkpointer.discard(step, rank)
             self.coordinator.all_true(True)
@@ -231,23 +257,36 @@ class Executor:
             log.error("trainpatrol: %s", detail)
         return True, path, detail, facts
 
+    @staticmethod
+    def _durable_replicated(path: Path, staged: Any) -> dict[str, Any]:
+        ckpt.write_state(path, staged)
+        return {}
+
+    @staticmethod
+    def _durable_shards(where: Path, written: Future[Any]) -> dict[str, Any]:
+        written.result()  # every rank's shards and DCP's metadata are written (DCP gathered the ranks' results)
+        return {"format": "dcp", "dcp": where.name, "shards": sharded.files(where)}
+
     def _write_in_background(self, cid: int, bundle: str) -> None:
-        """Rank 0 writes the staged state, commits the checkpoint and records the action's outcome, while training
-        goes on. A failure removes what was written: ``latest`` is never a half checkpoint."""
+        """The staged state is made durable on a thread while training goes on; then rank 0 commits the checkpoint
+        and each rank records the action's outcome. A failure removes what was written: ``latest`` is never a half
+        checkpoint."""
         assert self._staged is not None
-        (step, staged, meta, began), self._staged = self._staged, None
-        checkpointer, record = self.checkpointer, self.record
+        (step, durable, meta, began), self._staged = self._staged, None
+        checkpointer, record, rank = self.checkpointer, self.record, self.facts.rank
         path = checkpointer.path_for(step)
 
         def write() -> None:
             try:
-                ckpt.write_state(path, staged)
-                checkpointer.commit(step, meta)
+                layout = durable()
+                if rank == 0:
+                    checkpointer.commit(step, {**meta, **layout})
             except Exception as exc:
-                detail = f"rank 0: checkpoint failed: {exc}; the previous checkpoint is intact"
+                detail = f"rank {rank}: checkpoint failed: {exc}; the previous checkpoint is intact"
                 log.error("trainpatrol: %s", detail)
-                checkpointer.discard(step, 0)
-                checkpointer.discard_incomplete(step)
+                checkpointer.discard(step, rank)
+                if rank == 0:
+                    checkpointer.discard_incomplete(step)
                 record.checkpoint_failures += 1
                 record.action(cid, "checkpoint", "failed", step, detail, "", bundle)
                 # as a failed checkpoint at the boundary does, this one pauses the run (at the next boundary)

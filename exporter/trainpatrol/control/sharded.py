@@ -8,6 +8,7 @@ form it saves and loads (the optimizer's lazy state is created first, so a fresh
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,78 @@ def save(where: Path, sharded: dict[str, Any]) -> None:
     from torch.distributed.checkpoint import state_dict_saver
 
     state_dict_saver.save(sharded, checkpoint_id=str(where))
+
+
+class BackgroundWriter:
+    """Every rank's shards written while training goes on, through DCP's ``async_save``.
+
+    ``stage`` copies the rank's shards into host buffers that DCP's ``DefaultStager`` keeps from one checkpoint to
+    the next (pinned, with one wait for the copies, when the state is on a GPU): training is held for that copy.
+    ``write`` then hands the staged state to DCP's writer thread, whose collectives (the save plan, the metadata)
+    run on a gloo group of their own, so they never interleave with the training's collectives on the default
+    group. Every rank calls both at the same step boundary: creating the group and saving are collectives.
+    """
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._stager: Any = None
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        if self._stager is None:
+            on_gpu = any(local(t).is_cuda for t in _tensors(state))
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=on_gpu))
+        staged: dict[str, Any] = self._stager.stage(state)
+        return staged
+
+    def write(self, where: Path, staged: dict[str, Any]) -> Future[Any]:
+        """Starts writing ``staged`` (from ``stage``) into ``where``; the future completes once every rank's shards
+        and DCP's metadata are written, and raises on every rank when one rank's write failed."""
+        from torch.distributed.checkpoint import state_dict_saver
+
+        result: Any = state_dict_saver.async_save(staged, checkpoint_id=str(where), process_group=self._group,
+                                                  async_stager=_AlreadyStaged())
+        future: Future[Any] = getattr(result, "upload_completion", result)  # an AsyncSaveResponse, or the future
+        return future
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+class _AlreadyStaged:
+    """DCP's stager protocol for a state that ``BackgroundWriter.stage`` staged already: no second copy."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def load(where: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

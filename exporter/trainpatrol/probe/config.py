@@ -61,11 +61,13 @@ class PatrolConfig:
     """Pinned checkpoints kept (each pause's and stop's), the oldest going first; the newest finite one always
     stays. A run whose state is still non-finite writes none again (it points at the incident's first)."""
     background_checkpoints: bool = False
-    """A ``checkpoint`` action (not a pause's or stop's) stages the replicated state in host memory kept for the
-    next one (pinned for GPU tensors: as much host memory as the state), returns to training and has rank 0
-    write it in the background; a failed write pauses the run at the next boundary. Off by default because the
-    pinned copy takes as much host memory as the state for the Patrol's lifetime (84 GB for a 7B model with
-    AdamW); docs/benchmarks.md has what it saves. Sharded state and a ``save_fn`` are always written at once."""
+    """A ``checkpoint`` action (not a pause's or stop's) stages the state in host memory kept for the next one
+    (pinned for GPU tensors: as much host memory as the state), returns to training and writes it in the
+    background: rank 0 the replicated state; every rank its shards of a sharded model (DCP's ``async_save``, its
+    collectives on a gloo group of their own). A failed write pauses the run at the next boundary. Off by
+    default because the copy takes as much host memory as the (rank's share of the) state for the Patrol's
+    lifetime (84 GB for a 7B model with AdamW, unsharded); docs/benchmarks.md has what it saves. A ``save_fn``
+    is always written at once."""
     checkpoint_every_steps: int = 0
     """A ``checkpoint`` every this many optimizer steps (0: none). Periodic checkpoints give a finite state to fall
     back to when the optimizer cannot skip a non-finite step on the device (a foreach or plain AdamW); they are off

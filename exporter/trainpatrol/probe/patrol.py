@@ -357,7 +357,7 @@ class Patrol:
         if self.state == "running":  # training is over: waiting for the writes below is no stall
             self._record.state = "stopping"
         self._recorder.catch_up(wait=True)
-        self._control.executor.wait()  # a checkpoint being written is durable, a report written, first
+        self._control.executor.close()  # a checkpoint being written is durable, a report written, first
         if self.state not in ("stopped",):
             self._record.state = "closed"
         self._publisher.stop(final_push=True)

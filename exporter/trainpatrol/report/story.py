@@ -102,6 +102,12 @@ def _checkpoint_facts(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     if manifest.get("finite") is not None:
         facts.append(("Checkpoint state", "finite" if manifest["finite"] else
                       '<span class="bad-text">non-finite: do not resume from it</span>'))
+    if isinstance(manifest.get("training_held_seconds"), int | float):
+        held, before = float(manifest["training_held_seconds"]), manifest.get("training_held_seconds_total")
+        how = "staged in host memory, written in the background" if manifest.get("background") else "written at once"
+        facts.append(("Training held", f"{held:.3f} s by this checkpoint ({how})"
+                      + (f"; {float(before):.1f} s by the checkpoints before it in this process"
+                         if isinstance(before, int | float) else "")))
     if manifest.get("last_good_checkpoint"):
         facts.append(("Last good checkpoint", f"<code>{esc(manifest['last_good_checkpoint'])}</code> "
                       "(what <code>patrol.restore(&quot;latest&quot;)</code> takes)"))
