@@ -45,6 +45,9 @@ STEP_MEAN_RANK = "run_rank:trainpatrol_step_duration_seconds:mean5m"
 STEP_MEDIAN_RUN = "run:trainpatrol_step_duration_seconds:median_mean5m"
 COMPUTE_MEDIAN_RUN = "run:trainpatrol_compute_seconds_per_step:median_mean5m"
 STEP_RATE_RUN = "run:trainpatrol_step:max_rate5m"
+FLOPS_RUN = "run:trainpatrol_model_flops:rate5m"
+MFU_MEDIAN_RUN = "run:trainpatrol_mfu:median_rate5m"
+MFU_MIN_RUN = "run:trainpatrol_mfu:min_rate5m"
 LOSS_RUN = "run:trainpatrol_loss_window_mean:avg"
 VAL_LOSS_RUN = "run:trainpatrol_validation_loss:avg"
 
@@ -115,10 +118,36 @@ def group(cfg: Config) -> Group:
             "run:trainpatrol_gpu_utilization_ratio:avg",
             f"avg by ({run_on}) (\n{indent(on_rank(cfg, gpu_utilization(cfg)))}\n)",
         ),
+        # What the run's GPUs achieve: model FLOP/s, and MFU (over the device's dense peak), per rank worked out
+        # here and not recorded; the run's sum, median and lowest rank are.
+        Recording(FLOPS_RUN, f"sum by ({run_on}) (\n{indent(achieved_flops(cfg))}\n)"),
+        Recording(MFU_MEDIAN_RUN, f"quantile by ({run_on}) (\n  0.5,\n{indent(mfu(cfg))}\n)"),
+        Recording(MFU_MIN_RUN, f"min by ({run_on}) (\n{indent(mfu(cfg))}\n)"),
+        Recording("run:trainpatrol_tokens_per_rank:median_rate5m",
+                  f"quantile by ({run_on}) (0.5, rate({s('trainpatrol_tokens_total')}[5m]))"),
+        Recording("run:trainpatrol_samples_per_rank:median_rate5m",
+                  f"quantile by ({run_on}) (0.5, rate({s('trainpatrol_samples_total')}[5m]))"),
         Recording(LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_loss_window_mean')})"),
         Recording(VAL_LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_validation_loss')})"),
     )
     return Group("trainpatrol-recording", rules)
+
+
+def achieved_flops(cfg: Config) -> str:
+    """Each rank's model FLOP/s over 5 m: its tokens (or steps) per second times the run's FLOPs per token (or
+    step), which its agent serves once per run."""
+    agent_run = f"{cfg.cluster_label}, namespace, job, instance, run"
+    def times(counter: str, per: str) -> str:
+        return f"rate({sel(cfg, counter)}[5m])\n* on ({agent_run}) group_left ()\n{sel(cfg, per)}"
+    return (f"{times('trainpatrol_tokens_total', 'trainpatrol_run_model_flops_per_token')}\nor\n"
+            f"{times('trainpatrol_step_total', 'trainpatrol_run_model_flops_per_step')}")
+
+
+def mfu(cfg: Config) -> str:
+    """Each rank's model FLOPs utilisation: its model FLOP/s over its GPUs' dense peak in the dtype it computes in."""
+    agent_run = f"{cfg.cluster_label}, namespace, job, instance, run"
+    return (f"(\n{indent(achieved_flops(cfg))}\n)\n/ on ({agent_run}) group_left ()\n"
+            f"max without (dtype) ({sel(cfg, 'trainpatrol_run_peak_flops')} > 0)")
 
 
 def compute_mean(cfg: Config) -> str:

@@ -76,7 +76,42 @@ def _count(metric: str) -> str:
     return f"sum by (run) (round(increase({metric}{{{RUN}}}[$__range])))"
 
 
+_AGENT_RUN = "cluster, namespace, job, instance, run"
+MFU = (
+    "min by (run) (\n"
+    f"  (\n    rate(trainpatrol_tokens_total{{{RUN}}}[5m])\n    * on ({_AGENT_RUN}) group_left ()\n"
+    f"    trainpatrol_run_model_flops_per_token{{{RUN}}}\n    or\n"
+    f"    rate(trainpatrol_step_total{{{RUN}}}[5m])\n    * on ({_AGENT_RUN}) group_left ()\n"
+    f"    trainpatrol_run_model_flops_per_step{{{RUN}}}\n  )\n"
+    f"  / on ({_AGENT_RUN}) group_left ()\n  max without (dtype) (trainpatrol_run_peak_flops{{{RUN}}} > 0)\n)"
+)
+"""The run's lowest rank's MFU, as alerting/recording.py works a rank's out."""
+
 CHECKS: tuple[Check, ...] = (
+    Check(
+        "MFU",
+        "How much of its GPUs' dense peak does the run's model use? Lowest model FLOPs utilisation over the "
+        "run's ranks (model FLOPs per token or step, given to Patrol or measured, times the rank's tokens or "
+        "steps per second, over the peak of its GPU in the dtype it computes in); the run's median rank is "
+        "run:trainpatrol_mfu:median_rate5m.",
+        MFU, "percentunit", ((None, RED), (0.2, YELLOW), (0.35, GREEN)),
+        "35 % or more for a large transformer in bf16 (published large runs report 35-55 %); far below its "
+        "run's median, the rank straggles",
+        "Find where the step time goes: loader wait, host-side launch overhead (small kernels; try "
+        "torch.compile or CUDA graphs), communication, a straggling rank; raise the per-GPU batch.",
+        ("TrainPatrolGPUUnderutilized", "TrainPatrolStraggler"), decimals=3,
+        no_value="no FLOPs or peak known",
+    ),
+    Check(
+        "Tokens/s per GPU",
+        "How fast does each GPU consume tokens? Lowest rank's tokens per second over 5 minutes (the run's "
+        "median rank: run:trainpatrol_tokens_per_rank:median_rate5m).",
+        f"min by (run) (rate(trainpatrol_tokens_total{{{RUN}}}[5m]))",
+        "short", ((None, RED), (1, GREEN)),
+        "close to the run's median and to the same model's earlier runs; none for 5 minutes: the rank is stuck",
+        "Compare with the median rank and earlier runs; a slow rank: see Straggler.",
+        ("TrainPatrolStraggler",), no_value="no tokens passed to step()",
+    ),
     Check(
         "GPU utilization",
         "Are the run's GPUs busy? Lowest 10-minute mean utilization over the run's GPUs.",

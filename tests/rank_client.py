@@ -76,9 +76,10 @@ def counter(agent: Agent, family: str, **labels: str) -> float:
 
 class GpuRank:
     """Pushes a bare rank of ``run`` bound to the GPU ``gpu_uuid`` twice a second, standing in for a rank on a
-    GPU: identity only (``trainpatrol_rank_info``), so the rules and panels that join GPUs to ranks have one.
-    It belongs to a job that torchrun restarted once (``restart_count``), so the restart annotation has one.
-    A context manager: pushing from enter to exit."""
+    GPU: its identity (``trainpatrol_rank_info``), so the rules and panels that join GPUs to ranks have one, and
+    its tokens with GPT-2-124M's training FLOPs per token and an H200's bf16 peak, so MFU has one. It belongs to
+    a job that torchrun restarted once (``restart_count``), so the restart annotation has one. A context manager:
+    pushing from enter to exit."""
 
     def __init__(self, agent_url: str, gpu_uuid: str, run: str) -> None:
         self.url, self.uuid, self.run = agent_url, gpu_uuid, run
@@ -93,9 +94,10 @@ class GpuRank:
             seq += 1
             http_json(f"{self.url}/v1/push", {
                 "run": self.run, "rank": 0, "world_size": 1, "host": "gpu-host", "gpu_uuid": self.uuid, "seq": seq,
-                "restart_count": 1,
+                "restart_count": 1, "model_flops_per_token": 6 * 124e6, "peak_flops": 989.4e12, "compute_dtype": "bf16",
                 "time": time.time(), "step": seq,
-                "samples": [{"name": "trainpatrol_rank_info", "labels": info, "value": 1.0}]})
+                "samples": [{"name": "trainpatrol_rank_info", "labels": info, "value": 1.0},
+                            {"name": "trainpatrol_tokens_total", "labels": {}, "value": 8 * 1024 * seq}]})
             self.stop.wait(0.5)
 
     def __enter__(self) -> GpuRank:

@@ -118,6 +118,13 @@ class RankSnapshot(BaseModel):
     launcher_job: str = Field(default="", pattern=JOB_ID)
     restart_count: int = Field(default=0, ge=0, le=1_000_000)
     """torchrun's ``TORCHELASTIC_RESTART_COUNT``: how often the job was restarted before this incarnation."""
+    model_flops_per_token: float = Field(default=0.0, ge=0, le=1e24)
+    """The model's training FLOPs (forward and backward) per token, as given to Patrol; 0: not known."""
+    model_flops_per_step: float = Field(default=0.0, ge=0, le=1e30)
+    """Or per optimizer step, given or measured; 0: not known."""
+    peak_flops: float = Field(default=0.0, ge=0, le=1e20)
+    """The rank's device's dense peak FLOP/s in ``compute_dtype`` (probe.peak_flops); 0: not known."""
+    compute_dtype: str = Field(default="", pattern=r"^[a-z0-9_]{0,16}$")
     seq: int = Field(default=0, ge=0)
     time: float = 0.0
     step: int = Field(default=0, ge=0)

@@ -701,6 +701,7 @@ def fleet_snapshot(rank: int, seq: int, elapsed: float, gpu_uuid: str) -> dict[s
     return {
         "run": FLEET_RUN, "rank": rank, "local_rank": rank % GPUS_PER_NODE, "world_size": FLEET_RANKS,
         "host": node, "node": node, "gpu_uuid": gpu_uuid, "seq": seq, "time": time.time(), "step": steps,
+        "model_flops_per_token": 6 * 8e9, "peak_flops": 989.4e12, "compute_dtype": "bf16",
         "samples": [{"name": "trainpatrol_" + n, "labels": labels, "value": float(v)} for n, labels, v in values],
         "histogram": {"counts": [float(steps) if b >= step_s else 0.0 for b in bounds], "sum": steps * step_s},
     }

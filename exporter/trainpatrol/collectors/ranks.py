@@ -28,6 +28,8 @@ _BOUNDS = (*(str(b) for b in STEP_DURATION_BUCKETS), "+Inf")
 _LIVENESS = tuple(m for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_"))
 _RUN_ACTIONS, _RUN_HISTOGRAM = BY_NAME[P + "run_actions_total"], BY_NAME[P + "run_step_duration_seconds"]
 _RUN_RESTARTS = BY_NAME[P + "run_restarts"]
+_RUN_FLOPS = tuple(BY_NAME[P + name] for name in ("run_model_flops_per_token", "run_model_flops_per_step",
+                                                  "run_peak_flops"))
 _ACTIONS, _TRIPS = P + "actions_total", P + "guard_trips_total"
 SERIES_LEVELS = ("standard", "full")
 
@@ -80,6 +82,7 @@ class RankCollector:
         liveness = [spec.family() for spec in _LIVENESS]
         run_actions: dict[tuple[str, ...], float] = {}
         restarts: dict[tuple[str, str], float] = {}
+        flops: dict[tuple[str, str], tuple[float, float, float, str]] = {}
         run_steps: dict[tuple[str, str], tuple[list[float], float]] = {}
         if len(self._labels) > self._max_series:
             self._labels.clear()
@@ -104,6 +107,8 @@ class RankCollector:
                 fam.add_sample(s.name, labels, 1.0 if fam.type == "info" else s.value)
             of_run = (snap.namespace, snap.run)
             restarts[of_run] = max(restarts.get(of_run, 0.0), float(snap.restart_count))
+            if snap.model_flops_per_token or snap.model_flops_per_step:
+                flops[of_run] = _most(flops.get(of_run), snap)
             plain = labels_of.get(rank)
             if plain is None:
                 plain = labels_of[rank] = _sorted(rank_labels(snap))
@@ -125,6 +130,7 @@ class RankCollector:
                 fam.add_sample(fam.name, plain, value)
         yield from (f for f in (*families.values(), *liveness) if f.samples)
         yield from _run_families(run_actions, run_steps, restarts)
+        yield from _flops_families(flops)
 
 
 def _run_labels(namespace: str, run: str, **more: str) -> dict[str, str]:
@@ -153,6 +159,30 @@ def _run_families(actions: dict[tuple[str, ...], float], steps: dict[tuple[str, 
             fam.add_sample(name + "_count", _run_labels(namespace, run), counts[-1])
             fam.add_sample(name + "_sum", _run_labels(namespace, run), total)
         yield fam
+
+
+def _most(held: tuple[float, float, float, str] | None, snap: RankSnapshot) -> tuple[float, float, float, str]:
+    """A run's FLOP figures: the largest any of its ranks reports (they agree on a data-parallel run), and the
+    peak of the slowest device (MFU is judged against what the run's GPUs can do)."""
+    if held is None:
+        return snap.model_flops_per_token, snap.model_flops_per_step, snap.peak_flops, snap.compute_dtype
+    peak, dtype = held[2], held[3]
+    if snap.peak_flops and (not peak or snap.peak_flops < peak):
+        peak, dtype = snap.peak_flops, snap.compute_dtype
+    return max(held[0], snap.model_flops_per_token), max(held[1], snap.model_flops_per_step), peak, dtype
+
+
+def _flops_families(flops: dict[tuple[str, str], tuple[float, float, float, str]]) -> Iterator[Metric]:
+    """Once per run: what its achieved FLOP/s and MFU are worked out from (alerting/recording.py)."""
+    per_token, per_step, peak = (spec.family() for spec in _RUN_FLOPS)
+    for (namespace, run), (token, step, device_peak, dtype) in sorted(flops.items()):
+        if token:
+            per_token.add_sample(per_token.name, _run_labels(namespace, run), token)
+        elif step:
+            per_step.add_sample(per_step.name, _run_labels(namespace, run), step)
+        if device_peak:
+            peak.add_sample(peak.name, _run_labels(namespace, run, dtype=dtype or "unknown"), device_peak)
+    yield from (f for f in (per_token, per_step, peak) if f.samples)
 
 
 def _sorted(labels: dict[str, str]) -> dict[str, str]:

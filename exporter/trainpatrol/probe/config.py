@@ -68,6 +68,16 @@ class PatrolConfig:
     default because the copy takes as much host memory as the (rank's share of the) state for the Patrol's
     lifetime (84 GB for a 7B model with AdamW, unsharded); docs/benchmarks.md has what it saves. A ``save_fn``
     is always written at once."""
+    flops_per_token: float = 0.0
+    """The model's training FLOPs per token, forward and backward (about 6 x parameters, plus attention's 12 x
+    layers x width x sequence length for a transformer): with ``step(tokens=)`` it gives the run's achieved
+    FLOP/s and, on a device with a known peak, its MFU (``trainpatrol_run_model_flops_per_token``). 0: unknown."""
+    flops_per_step: float = 0.0
+    """Or the FLOPs of one optimizer step on this rank (``trainpatrol.measure_flops`` measures one), used where
+    ``flops_per_token`` is not given. 0: unknown."""
+    peak_flops: float = 0.0
+    """The device's dense peak FLOP/s in the dtype the model computes in; 0: trainpatrol's table of NVIDIA GPUs
+    (H100, H200, A100, L40S, B200; probe.flops), which names no peak for other devices."""
     checkpoint_every_steps: int = 0
     """A ``checkpoint`` every this many optimizer steps (0: none). Periodic checkpoints give a finite state to fall
     back to when the optimizer cannot skip a non-finite step on the device (a foreach or plain AdamW); they are off
@@ -120,6 +130,10 @@ class PatrolConfig:
         if self.checkpoint_every_steps < 0 or not self.checkpoint_every_seconds >= 0:
             raise ValueError(f"`PatrolConfig(checkpoint_every_steps={self.checkpoint_every_steps!r}, "
                              f"checkpoint_every_seconds={self.checkpoint_every_seconds!r})` must be >= 0.")
+        for name in ("flops_per_token", "flops_per_step", "peak_flops"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ValueError(f"`PatrolConfig({name}={value!r})` must be a finite number >= 0.")
         if not (self.stall_seconds > 0 and self.stall_step_multiple > 0):
             raise ValueError(f"`PatrolConfig(stall_seconds={self.stall_seconds!r}, stall_step_multiple="
                              f"{self.stall_step_multiple!r})` must be > 0.")

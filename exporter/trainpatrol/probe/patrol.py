@@ -31,6 +31,7 @@ from .collective_trace import enable_flight_recorder
 from .config import PatrolConfig
 from .control_loop import ControlLoop, guard_trips
 from .embedded import ensure_agent
+from .flops import dtype_name
 from .guards import Guards
 from .host_memory import HostMemory
 from .identity import detect
@@ -169,11 +170,30 @@ class Patrol:
             identity.world_size,
             multiple=cfg.stall_step_multiple, floor_seconds=cfg.stall_seconds, acting=lambda: control.acting)
         self._compute_hook = self._time_compute(model) if self._device.type == "cpu" else None
+        if self._device.type == "cuda":
+            self._report.device_name = torch.cuda.get_device_name(self._device)
+        self._dtype_hook = self._see_compute_dtype(model)
         if cfg.record_memory_history:
             set_recording(True)
         if cfg.embedded_agent:
             ensure_agent(cfg.agent_url, identity.local_rank, cfg.embedded_agent_idle_seconds, cfg.token)
         publisher.start()
+
+    def _see_compute_dtype(self, model: torch.nn.Module | None) -> Any:
+        """A hook on the model's first forward, then removed: the dtype its matrix multiplies run in (autocast's,
+        or the parameters'), for the device's peak FLOP/s."""
+        first = next(iter(model.parameters()), None) if model is not None else None
+        if first is None:
+            return None
+        report, device = self._report, self._device.type
+
+        def seen(_module: torch.nn.Module, _args: Any) -> None:
+            autocast = torch.is_autocast_enabled(device)
+            report.compute_dtype = dtype_name(torch.get_autocast_dtype(device) if autocast else first.dtype)
+            handle.remove()
+
+        handle = model.register_forward_pre_hook(seen)  # type: ignore[union-attr]
+        return handle
 
     def _time_compute(self, model: torch.nn.Module | None) -> Any:
         """A hook on the model's first parameter, whose gradient backward computes last: when it fires, the rank's
@@ -365,6 +385,8 @@ class Patrol:
             self._hooks.remove()
         if self._compute_hook is not None:
             self._compute_hook.remove()
+        if self._dtype_hook is not None:
+            self._dtype_hook.remove()
 
     def __enter__(self) -> Patrol:
         return self

@@ -17,6 +17,7 @@ from ..control.evidence_writer import EvidenceWriter
 from ..control.run_record import RunRecord
 from ..loader_audit import LoaderAudit, audit
 from .config import PatrolConfig
+from .flops import peak_flops
 from .guards import Guards
 from .host_memory import HostMemory, worker_pids
 from .identity import Identity
@@ -58,6 +59,10 @@ class RankReport:
         self._restarts = int(restarts) if restarts.isdigit() else 0
         self.stall_watch: StallWatch | None = None
         """Set once it exists: each push says whether the training thread is stuck, and where."""
+        self.device_name = ""
+        """The rank's GPU as torch names it ("NVIDIA H200"), for its peak FLOP/s; "" off a GPU."""
+        self.compute_dtype = ""
+        """The dtype the model computes in (probe.flops.dtype_name), seen at its first forward."""
 
     def snapshot(self) -> dict[str, Any]:
         """The push payload (see trainpatrol.protocol.RankSnapshot). From the training thread it holds
@@ -74,7 +79,7 @@ class RankReport:
             "run": self.config.run, "rank": ident.rank, "instance": self._instance, "local_rank": ident.local_rank,
             "world_size": ident.world_size, "host": ident.host, "pid": os.getpid(), "gpu_uuid": ident.gpu_uuid,
             **self.workload.fields(),
-            "restart_count": self._restarts,
+            "restart_count": self._restarts, **self._flops(),
             "seq": self.seq, "time": now, "step": totals.steps, "step_time": self._step_time(now),
             "state": record.state,
             "samples": samples(totals, recorder.latest, recorder.history, self.guards.trips, self.guards.active,
@@ -85,6 +90,13 @@ class RankReport:
             "done_commands": list(self._done_commands),
             "last_checkpoint": record.last_checkpoint, "evidence_dir": record.last_evidence,
         }
+
+    def _flops(self) -> dict[str, Any]:
+        """What the run's achieved FLOP/s and MFU are worked out from (probe.flops)."""
+        cfg, dtype = self.config, self.compute_dtype
+        peak = cfg.peak_flops or (peak_flops(self.device_name, dtype) if dtype else 0.0)
+        return {"model_flops_per_token": cfg.flops_per_token, "model_flops_per_step": cfg.flops_per_step,
+                "peak_flops": peak, "compute_dtype": dtype}
 
     def _step_time(self, now: float) -> float:
         """The wall clock at the last step boundary, from the step clock (the training thread reads no wall clock)."""
