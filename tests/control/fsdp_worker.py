@@ -88,12 +88,12 @@ def main() -> int:
             whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0:
                 torch.save(whole, out / f"{name}-model.pt")
+        patrol.close()  # a checkpoint still being written is durable, and its outcome recorded, first
         record = {"rank": rank, "exit": code, "steps": patrol.step_count,
                   "restored": {"step": restored.step, "path": restored.path, "skipped": list(restored.skipped)}
                   if restored is not None else None,
                   "actions": [a.model_dump() for a in patrol.actions], "losses": losses, "seen_at": seen_at}
         (out / f"{name}-{rank}.json").write_text(json.dumps(record))
-        patrol.close()
         dist.destroy_process_group()
     return code
 

@@ -104,21 +104,22 @@ def test_a_checkpoint_that_lost_a_rank_shards_is_passed_over(tmp_path: Path) -> 
 def test_fsdp2_shards_written_in_the_background_hold_the_state_of_their_step(tmp_path: Path) -> None:
     """A 1.5 s slower disk: training takes steps while the shards are written, and a new job restored from that
     checkpoint continues bit for bit as the run that never stopped."""
-    assert run(tmp_path / "ref", 2, tmp_path / "ref-ckpt", "ref", STEPS="60") == [0, 0]
+    assert run(tmp_path / "ref", 2, tmp_path / "ref-ckpt", "ref", STEPS="100") == [0, 0]
     ckpt = tmp_path / "ckpt"
-    assert run(tmp_path, 2, ckpt, "live", STEPS="60", CHECKPOINT_AT="4", BACKGROUND="1", SLOW_WRITE="1.5") == [0, 0]
+    assert run(tmp_path, 2, ckpt, "live", STEPS="100", CHECKPOINT_AT="4", BACKGROUND="1", SLOW_WRITE="1.5") == [0, 0]
     live = records(tmp_path, "live", 2)
     at = live[0]["actions"][0]["step"]  # agreed at the ranks' next control exchange after step 4
     for r in live:
         assert [(a["action"], a["outcome"], a["step"]) for a in r["actions"]] == [("checkpoint", "ok", at)], r
-        assert r["seen_at"][0] >= at + 10, (at, r["seen_at"])  # durable only after training went on for steps
+        durable = r["seen_at"][0] if r["seen_at"] else r["steps"]  # or only at close, after the last step
+        assert durable >= at + 10, (at, r["seen_at"])  # durable only after training went on for steps
     meta = json.loads((ckpt / f"step-{at:08d}" / "meta.json").read_text())
     assert meta["format"] == "dcp" and sorted(meta["shards"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert [p.name for p in ckpt.iterdir() if p.name.startswith("step-")] == [f"step-{at:08d}"]
 
-    assert run(tmp_path, 2, ckpt, "restored", STEPS="60", RESTORE="1") == [0, 0]
+    assert run(tmp_path, 2, ckpt, "restored", STEPS="100", RESTORE="1") == [0, 0]
     ref, restored = records(tmp_path / "ref", "ref", 2), records(tmp_path, "restored", 2)
     for rank in range(2):
         assert restored[rank]["restored"]["step"] == at
-        for s in range(at + 1, 61):  # exact float equality
+        for s in range(at + 1, 101):  # exact float equality
             assert restored[rank]["losses"][str(s)] == ref[rank]["losses"][str(s)], (rank, s)

@@ -19,3 +19,12 @@ def exposed(url: str, name: str, run: str, extra: str = "", rank: int = 0) -> fl
         if line.startswith(prefix):
             return float(line[len(prefix):])
     raise AssertionError(f"{prefix!r} not exposed")
+
+
+def run_value(url: str, name: str, run: str) -> float:
+    """A series the agent serves once per run."""
+    prefix = f'{name}{{run="{run}"}} '
+    for line in http_get(url + "/metrics").decode().splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
+    raise AssertionError(f"{prefix!r} not exposed")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from framework_helpers import exposed, patrol_config
+from framework_helpers import exposed, patrol_config, run_value
 
 from servers import http_json, wait_for
 from trainpatrol import STOP_EXIT_CODE
@@ -96,6 +96,9 @@ def test_exported_values_equal_the_trainers_logs(tmp_path: Path, agent_url: str,
     assert exposed(agent_url, "trainpatrol_loss", run) == last["loss"]
     assert exposed(agent_url, "trainpatrol_grad_norm", run) == last["grad_norm"]
     assert exposed(agent_url, "trainpatrol_learning_rate", run, 'param_group="0",') == last["learning_rate"]
+    # the model's FLOPs as the Trainer counts them (floating_point_ops, total_flos), for the run's FLOP/s and MFU
+    per_token = run_value(agent_url, "trainpatrol_run_model_flops_per_token", run)
+    assert per_token * patrol._totals.tokens == trainer.state.total_flos > 0
 
 
 def test_pause_via_agent_blocks_until_resume(tmp_path: Path, agent_url: str) -> None:

@@ -109,3 +109,17 @@ def test_pushes_ten_times_a_second_judge_the_same_trend() -> None:
     tripped = next((t for t, v in series if guards.check_host_memory(reading(t, v, 2600 * MIB))), None)
     assert tripped is not None and 15.0 <= tripped <= 16.0, tripped
     assert len(guards._host_trend.points) <= 2 * 30 + 1
+
+
+def test_a_leak_that_pauses_and_grows_again_trips_once_until_the_memory_is_freed() -> None:
+    """A loaded machine slows the leaking loop for a while: the growth pauses and resumes, the same leak. The
+    guard trips (and captures) once; only memory given back below the level it tripped at re-arms it."""
+    guards = Guards(GuardConfig(), clock=lambda: 0.0)
+    limit, level, t = 4 * GIB, 1 * GIB, 0.0
+    trips = []
+    for rate, seconds in ((20 * MIB, 30), (0.0, 20), (20 * MIB, 30), (-60 * MIB, 20), (20 * MIB, 30)):
+        for _ in range(seconds):
+            t, level = t + 1, level + rate
+            if guards.check_host_memory(reading(t, level, limit)):
+                trips.append(t)
+    assert len(trips) == 2 and trips[0] < 30 and trips[1] > 100, trips  # the leak, then after the memory fell

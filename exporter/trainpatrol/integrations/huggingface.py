@@ -72,7 +72,10 @@ class TrainPatrolCallback(TrainerCallback):  # type: ignore[misc,unused-ignore] 
             # built without the model, so Patrol computes no grad norm of its own from zeroed grads
             self.patrol = Patrol(optimizer=optimizer, scheduler=lr_scheduler, device=args.device, config=self._config)
         assert self.patrol is not None
-        self.patrol._attach(state.global_step, model, optimizer, lr_scheduler)
+        # the Trainer's own count (PreTrainedModel.floating_point_ops): 6 x the non-embedding parameters a token
+        count = getattr(model, "num_parameters", None)
+        per_token = 6.0 * count(exclude_embeddings=True) if callable(count) else 0.0
+        self.patrol._attach(state.global_step, model, optimizer, lr_scheduler, flops_per_token=per_token)
         self._stopping = self._due = False
         average_tokens = getattr(args, "average_tokens_across_devices", False)  # transformers >= 4.46
         self._loss_scale = args.world_size if average_tokens and args.world_size > 1 else 1

@@ -90,6 +90,8 @@ class Guards:
         """No step guard is active."""
         self._alloc_retries: float | None = None
         self._host_trend = LeakTrend(config.host_memory_window_seconds)
+        self._host_tripped_at = self._host_leaking_at = 0.0
+        """The judged host memory when host_memory_leak last tripped; when its trend last showed a leak."""
 
     def rearm(self) -> None:
         """Forget which conditions hold, so one that still holds trips (and acts) again at its next step."""
@@ -203,7 +205,17 @@ class Guards:
         why = self._host_trend.leak(r.budget, used_ratio=c.host_memory_used_ratio,
                                     min_growth=c.host_memory_min_growth_bytes_per_second,
                                     horizon=c.host_memory_horizon_seconds, min_seconds=c.host_memory_min_seconds)
-        self._set("host_memory_leak", why is not None, lambda: str(why), tripped)
+        # A leak does not heal when its growth pauses (a loaded machine slows the loop): once tripped, the guard
+        # stays active until the memory falls below where it tripped, or until its trend has shown no leak for two
+        # windows (a pause of up to a window, and the window the trend then needs to show the growth again), so
+        # one leak captures once.
+        if why is not None:
+            self._host_leaking_at = r.time
+        held = (self.active["host_memory_leak"] and r.judged >= self._host_tripped_at
+                and r.time - self._host_leaking_at < 2 * c.host_memory_window_seconds)
+        self._set("host_memory_leak", why is not None or held, lambda: str(why), tripped)
+        if tripped:
+            self._host_tripped_at = r.judged
         return tripped
 
 

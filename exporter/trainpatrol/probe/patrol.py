@@ -419,10 +419,16 @@ class Patrol:
 
     # --- framework hooks: only trainpatrol.integrations calls these ---------------------------
     def _attach(self, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                scheduler: Any) -> bool:
+                scheduler: Any, *, flops_per_token: float = 0.0) -> bool:
         """A framework callback takes over at its global ``step``: it fills in what this Patrol was built
-        without, calls ``boundary()`` itself after each optimizer step, and each update is judged from the
-        gradients before it. Returns whether the ranks agree through ``torch.distributed``."""
+        without (the model's FLOPs per token as the framework counts them, where the config gives none), calls
+        ``boundary()`` itself after each optimizer step, and each update is judged from the gradients before it.
+        Returns whether the ranks agree through ``torch.distributed``."""
+        if self._dtype_hook is None and model is not None:
+            self._dtype_hook = self._see_compute_dtype(model)
+        report = self._report
+        if flops_per_token and not (report.flops_per_token or report.flops_per_step):
+            report.flops_per_token = flops_per_token
         self._model = self._model or model
         self._scheduler = self._scheduler or scheduler
         self._framework = self._control.boundary_driven = True

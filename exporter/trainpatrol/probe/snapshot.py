@@ -63,6 +63,8 @@ class RankReport:
         """The rank's GPU as torch names it ("NVIDIA H200"), for its peak FLOP/s; "" off a GPU."""
         self.compute_dtype = ""
         """The dtype the model computes in (probe.flops.dtype_name), seen at its first forward."""
+        self.flops_per_token, self.flops_per_step = config.flops_per_token, config.flops_per_step
+        """The model's FLOPs: as configured, or (per token) as a framework integration counts them."""
 
     def snapshot(self) -> dict[str, Any]:
         """The push payload (see trainpatrol.protocol.RankSnapshot). From the training thread it holds
@@ -95,7 +97,7 @@ class RankReport:
         """What the run's achieved FLOP/s and MFU are worked out from (probe.flops)."""
         cfg, dtype = self.config, self.compute_dtype
         peak = cfg.peak_flops or (peak_flops(self.device_name, dtype) if dtype else 0.0)
-        return {"model_flops_per_token": cfg.flops_per_token, "model_flops_per_step": cfg.flops_per_step,
+        return {"model_flops_per_token": self.flops_per_token, "model_flops_per_step": self.flops_per_step,
                 "peak_flops": peak, "compute_dtype": dtype}
 
     def _step_time(self, now: float) -> float:
