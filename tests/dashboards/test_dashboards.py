@@ -531,7 +531,9 @@ DCGM_FIELDS = {"DCGM_FI_DEV_GPU_UTIL": (87, 0), "DCGM_FI_DEV_GPU_TEMP": (61, 34)
                "DCGM_FI_DEV_POWER_USAGE": (612.4, 88.1), "DCGM_FI_DEV_FB_USED": (97000, 0),
                "DCGM_FI_DEV_FB_FREE": (46000, 143000), "DCGM_FI_DEV_XID_ERRORS": (0, 0),
                "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": (0, 0), "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": (0, 1),
-               "DCGM_FI_DEV_ROW_REMAP_FAILURE": (0, 0)}
+               "DCGM_FI_DEV_ROW_REMAP_FAILURE": (0, 0), "DCGM_FI_PROF_GR_ENGINE_ACTIVE": (0.93, 0.0),
+               "DCGM_FI_PROF_SM_ACTIVE": (0.71, 0.0), "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": (0.38, 0.0)}
+"""As dcgm-exporter writes them: its default counters, and SM activity from a counters file that adds it."""
 
 
 def dcgm_exposition(node: str, uuids: tuple[str, ...] = DCGM_UUIDS) -> bytes:
