@@ -21,24 +21,33 @@ def value(patrol: Patrol, name: str) -> float:
     return float(next(s["value"] for s in snap["samples"] if s["name"] == f"trainpatrol_{name}"))
 
 
-def test_a_checkpoint_written_while_training_goes_on_holds_the_state_of_its_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    written, release = threading.Event(), threading.Event()
+def held_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The background writer waits (a slow disk) until the returned event is set."""
+    release = threading.Event()
     atomic_write = executor.ckpt.atomic_write
 
     def held_write(path: Path, write: Any) -> None:
         if threading.current_thread().name == "trainpatrol-checkpoint-writer":
-            release.wait(30)  # the write waits until training has moved the weights on
+            release.wait(30)
         atomic_write(path, write)
-        written.set()
     monkeypatch.setattr(executor.ckpt, "atomic_write", held_write)
+    return release
 
+
+def checkpoint_staged_at_step_10(tmp_path: Path) -> tuple[Patrol, torch.nn.Module, torch.optim.Optimizer]:
     model, opt = mlp()
     patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "async", guard_actions={},
                                                               background_checkpoints=True))
     train_mlp(patrol, model, opt, 10)
     patrol.request("checkpoint", "test")
     patrol.boundary()  # staged here; the loop goes on at once
+    return patrol, model, opt
+
+
+def test_a_checkpoint_written_while_training_goes_on_holds_the_state_of_its_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = held_writes(monkeypatch)  # the write waits until training has moved the weights on
+    patrol, model, opt = checkpoint_staged_at_step_10(tmp_path)
     at_step = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
     train_mlp(patrol, model, opt, 30)  # 20 steps while the checkpoint is being written
@@ -103,21 +112,8 @@ def test_a_run_whose_close_waits_for_a_write_reads_stopping_not_running(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Training is over once ``close`` begins: while it waits for a checkpoint still being written the rank
     reports ``stopping`` (pushed as ``trainpatrol_rank_state`` 3), so no stall alert reads the wait as a hang."""
-    release = threading.Event()
-    atomic_write = executor.ckpt.atomic_write
-
-    def held_write(path: Path, write: Any) -> None:
-        if threading.current_thread().name == "trainpatrol-checkpoint-writer":
-            release.wait(30)
-        atomic_write(path, write)
-    monkeypatch.setattr(executor.ckpt, "atomic_write", held_write)
-
-    model, opt = mlp()
-    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "async", guard_actions={},
-                                                              background_checkpoints=True))
-    train_mlp(patrol, model, opt, 10)
-    patrol.request("checkpoint", "test")
-    patrol.boundary()
+    release = held_writes(monkeypatch)
+    patrol, _, _ = checkpoint_staged_at_step_10(tmp_path)
     assert patrol.state == "running"
     closing = threading.Thread(target=patrol.close)
     closing.start()
