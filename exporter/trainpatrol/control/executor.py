@@ -179,6 +179,8 @@ class Executor:
         replicated: dict[str, Any] | None = None
         staged: Any = None
         in_flight: Future[Any] | None = None
+        if background and shards:
+            self._shard_writer.join_group()
         try:
             if rank == 0:
                 checkpointer.check_room()

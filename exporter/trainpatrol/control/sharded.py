@@ -59,20 +59,26 @@ class BackgroundWriter:
     ``stage`` copies the rank's shards into host buffers that DCP's ``DefaultStager`` keeps from one checkpoint to
     the next (pinned, with one wait for the copies, when the state is on a GPU): training is held for that copy.
     ``write`` then hands the staged state to DCP's writer thread, whose collectives (the save plan, the metadata)
-    run on a gloo group of their own, so they never interleave with the training's collectives on the default
-    group. Every rank calls both at the same step boundary: creating the group and saving are collectives.
+    run on a gloo group of their own (``join_group``), so they never interleave with the training's collectives on
+    the default group. Every rank calls them at the same step boundary: creating the group and saving are
+    collectives.
     """
 
     def __init__(self) -> None:
         self._group: Any = None
         self._stager: Any = None
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+    def join_group(self) -> None:
+        """The gloo group of DCP's collectives, made at the first save: a collective of every rank, so it comes
+        before anything at the boundary that could fail on one rank alone."""
         import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         if self._stager is None:
             on_gpu = any(local(t).is_cuda for t in _tensors(state))
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
