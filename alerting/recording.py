@@ -215,12 +215,12 @@ OUTLIER_COUNT = 3
 
 
 def rollups(cfg: Config) -> Group:
-    """Per run and per node: min, median and max across ranks of step time, loader wait, grad norm and memory
-    used; per run the ranks that stand out (``run_rank:<metric>:outlier_<what>``, the top ``OUTLIER_COUNT``).
+    """Per run and per node (its agent, the series' ``instance``; no join to ``trainpatrol_rank_info``): min,
+    median and max across ranks of step time, loader wait, grad norm and memory used; per run the ranks that
+    stand out (``run_rank:<metric>:outlier_<what>``, the top ``OUTLIER_COUNT``).
     Dashboards and a 1,024-rank run read these instead of one line per rank. Evaluated in a group of their own,
     after the per-rank means of ``trainpatrol-recording`` (one interval behind them)."""
-    rank_on, run_on = rank_labels(cfg), run_labels(cfg)
-    host = f"max by ({rank_on}, host) ({sel(cfg, 'trainpatrol_rank_info')})"
+    run_on = run_labels(cfg)
     rules: list[Recording] = []
     for source, name, window, outlier in ROLLUP_QUANTITIES:
         per_rank = sel(cfg, source) if source.startswith("trainpatrol_") else source
@@ -230,10 +230,8 @@ def rollups(cfg: Config) -> Group:
                           ("max", f"max by ({run_on}) ({per_rank})")):
             if (agg, name) != ("median", "trainpatrol_step_duration_seconds"):  # STEP_MEDIAN_RUN already is
                 rules.append(Recording(f"run:{name}:{agg}{suffix}", expr))
-        on_host = f"{per_rank}\n* on ({rank_on}) group_left (host)\n{host}"
-        for agg in ("min", "max"):
-            rules.append(Recording(f"run_host:{name}:{agg}{suffix}",
-                                   f"{agg} by ({run_on}, host) (\n{indent(on_host)}\n)"))
+        for agg in ("min", "max"):  # a node's ranks push to its agent: the node is the series' instance
+            rules.append(Recording(f"run_instance:{name}:{agg}{suffix}", f"{agg} by ({run_on}, instance) ({per_rank})"))
         rules.append(Recording(f"run_rank:{name}:outlier_{outlier}",
                                f"topk by ({run_on}) ({OUTLIER_COUNT}, {per_rank})"))
     return Group("trainpatrol-rollups", tuple(rules))

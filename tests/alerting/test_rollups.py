@@ -1,7 +1,7 @@
-"""The run and node rollups and the outlier rules on a 64-rank run (8 ranks a host) with one rank standing out
-in each quantity: min, median and max come out exactly, the node of the odd rank shows it, and each outlier
-rule names the odd rank; in the same run with no odd rank the outlier rules name ranks at the common value.
-Real promtool over the shipped rules."""
+"""The run and node rollups and the outlier rules on a 64-rank run (8 ranks a node, whose agent is their
+``instance``) with one rank standing out in each quantity: min, median and max come out exactly, the node of the
+odd rank shows it, and each outlier rule names the odd rank; in the same run with no odd rank the outlier rules
+name ranks at the common value. Real promtool over the shipped rules."""
 
 from __future__ import annotations
 
@@ -62,19 +62,21 @@ def test_the_rollups_are_exact_and_each_outlier_rule_names_the_odd_rank(tmp_path
         (f"run:{step}:min_mean5m", [one(f"run:{step}:min_mean5m", 0.125)]),
         (f"run:{step}:median_mean5m", [one(f"run:{step}:median_mean5m", 0.125)]),
         (f"run:{step}:max_mean5m", [one(f"run:{step}:max_mean5m", 0.1875)]),
-        (f"run_host:{step}:max_mean5m > 0.15",
-         [one(f"run_host:{step}:max_mean5m", 0.1875, host=f"host-{SLOW // 8}")]),
+        (f"run_instance:{step}:max_mean5m > 0.15",
+         [one(f"run_instance:{step}:max_mean5m", 0.1875, instance=f"node-{SLOW // PER_HOST}:9400")]),
         (f"run_rank:{step}:outlier_slowest > 0.15", [rank(f"run_rank:{step}:outlier_slowest", 0.1875, SLOW)]),
         (f"count(run_rank:{step}:outlier_slowest)", [{"labels": "{}", "value": 3}]),
         (f"run:{wait}:max", [one(f"run:{wait}:max", 0.6)]),
         (f"run:{wait}:median", [one(f"run:{wait}:median", 0.05)]),
-        (f"run_host:{wait}:max > 0.5", [one(f"run_host:{wait}:max", 0.6, host=f"host-{WAITING // 8}")]),
+        (f"run_instance:{wait}:max > 0.5",
+         [one(f"run_instance:{wait}:max", 0.6, instance=f"node-{WAITING // PER_HOST}:9400")]),
         (f"run_rank:{wait}:outlier_most_waiting > 0.5", [rank(f"run_rank:{wait}:outlier_most_waiting", 0.6, WAITING)]),
         ("run:trainpatrol_grad_norm:median", [one("run:trainpatrol_grad_norm:median", 1.0)]),
         ("run_rank:trainpatrol_grad_norm:outlier_largest > 1",
          [rank("run_rank:trainpatrol_grad_norm:outlier_largest", 40.0, LARGEST)]),
-        ("run_host:trainpatrol_cuda_memory_used_ratio:max > 0.9",
-         [one("run_host:trainpatrol_cuda_memory_used_ratio:max", 0.95, host=f"host-{FULLEST // 8}")]),
+        ("run_instance:trainpatrol_cuda_memory_used_ratio:max > 0.9",
+         [one("run_instance:trainpatrol_cuda_memory_used_ratio:max", 0.95,
+              instance=f"node-{FULLEST // PER_HOST}:9400")]),
         ("run_rank:trainpatrol_cuda_memory_used_ratio:outlier_fullest > 0.9",
          [rank("run_rank:trainpatrol_cuda_memory_used_ratio:outlier_fullest", 0.95, FULLEST)]),
     ]
