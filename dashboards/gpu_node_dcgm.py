@@ -79,13 +79,14 @@ def build() -> dm.Dashboard:
     ))
     d = d.with_panel(ts(
         "SM and tensor-core activity",
-        "What do the GPU's units really do? DCGM's profiling fields: the share of time its graphics engine ran "
-        "(DCGM_FI_PROF_GR_ENGINE_ACTIVE) and its tensor cores computed (DCGM_FI_PROF_PIPE_TENSOR_ACTIVE), both in "
-        "dcgm-exporter's default counters, and the share of cycles its SMs had work (DCGM_FI_PROF_SM_ACTIVE, "
-        "where a counters file adds it). A loop whose kernels keep one SM busy reads 100 % utilization above and "
-        "a few percent of SM activity. Empty where dcgm-exporter collects no profiling fields.",
-        [Q(_gauge("DCGM_FI_PROF_GR_ENGINE_ACTIVE"), LEGEND + " engine"),
-         Q(_gauge("DCGM_FI_PROF_SM_ACTIVE"), LEGEND + " SM"),
+        "What do the GPU's units really do? DCGM's profiling fields: the share of cycles its SMs had work "
+        "(DCGM_FI_PROF_SM_ACTIVE, where a counters file adds it; else the share of time its graphics engine ran, "
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE, in dcgm-exporter's default counters) and the share its tensor cores "
+        "computed (DCGM_FI_PROF_PIPE_TENSOR_ACTIVE, default too). A loop whose kernels keep one SM busy reads "
+        "100 % utilization above and a few percent of SM activity. Empty where dcgm-exporter collects no "
+        "profiling fields.",
+        [Q(_gauge("DCGM_FI_PROF_SM_ACTIVE") + "\nor\n" + _gauge("DCGM_FI_PROF_GR_ENGINE_ACTIVE"),
+           LEGEND + " SM (or engine)"),
          Q(_gauge("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"), LEGEND + " tensor")],
         unit="percentunit", minimum=0,
     ))

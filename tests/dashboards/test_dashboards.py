@@ -517,7 +517,7 @@ def test_dcgm_dashboard_reads_dcgm_series_and_the_one_to_one_join_table() -> Non
     assert exprs
     for expr in exprs:
         assert "trainpatrol_gpu_" not in expr
-        assert "DCGM_FI_DEV_" in expr
+        assert "DCGM_FI_DEV_" in expr or "DCGM_FI_PROF_" in expr
         assert "cluster_uuid:trainpatrol_rank_info:topk1_newest" in expr
     names = {n for e in exprs for n in re.findall(r"DCGM_FI_\w+", e)}
     assert names >= {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_FB_USED",

@@ -105,3 +105,20 @@ def test_the_step_time_histogram_on_metrics_follows_every_push(tmp_path: Path) -
             assert agent.stats.pushes["ok"] >= 3 and sums == sorted(sums) and sums[0] < sums[-1]
         finally:
             patrol.close()
+
+
+def test_the_final_push_is_tried_again_when_a_busy_agent_misses_it(monkeypatch: Any) -> None:
+    """The rank's last state (closed) tells the agent it did not die: one timed-out push must not lose it."""
+    agent = Agent(AgentConfig(nvml=False).load())
+    with agent_in_thread(agent.app) as port:
+        pub = Publisher(f"http://127.0.0.1:{port}", _patrol_like(), lambda c: None, interval=3600)
+        real_post, missed = pub._post, []
+
+        def busy_agent(body: bytes) -> None:  # the agent answers the first two after the push's timeout
+            if len(missed) < 2:
+                missed.append(body)
+                raise TimeoutError("timed out")
+            real_post(body)
+        monkeypatch.setattr(pub, "_post", busy_agent)
+        pub.stop(final_push=True)
+        assert len(missed) == 2 and latest(agent).seq == 3

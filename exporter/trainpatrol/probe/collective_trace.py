@@ -36,7 +36,7 @@ def collective_trace() -> dict[str, Any]:
         return {"available": False, "reason": "no process group"}
     backend = str(dist.get_backend())
     c10d = torch._C._distributed_c10d
-    name = "_dump_nccl_trace_json" if backend == "nccl" else "_dump_fr_trace_json"
+    name = "_dump_nccl_trace_json" if "nccl" in backend else "_dump_fr_trace_json"  # also "cpu:gloo,cuda:nccl"
     dump = getattr(c10d, name, None)
     if dump is None:
         return {"available": False, "reason": f"torch {torch.__version__} cannot dump a {backend} trace"}

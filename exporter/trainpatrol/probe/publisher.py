@@ -34,6 +34,10 @@ RUN_KEY_HEADER = "X-Trainpatrol-Run-Key"
 """Proves the run's key (probe.run_key) with every push."""
 
 
+FINAL_PUSH_TRIES = 3
+"""How often ``stop`` tries its final push: a busy agent can miss one push's timeout."""
+
+
 def next_push_delay(interval: float, now: float) -> float:
     """Seconds from ``now`` (wall clock) to the next whole multiple of ``interval``, skipping one
     that is less than a tenth of an interval away (a push that ran late must not be followed at once)."""
@@ -92,8 +96,8 @@ class Publisher:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self._timeout * 2 + 1)
-        if final_push:
-            self.push_now()
+        if final_push:  # the rank's last state (closed, stopped): an agent without it would count the rank down
+            any(self.push_now() for _ in range(FINAL_PUSH_TRIES))
         with self._conn_lock:
             if self._conn is not None:
                 self._conn.close()
