@@ -86,5 +86,7 @@ def test_the_full_level_serves_the_whole_catalogue(exposition: dict[str, str]) -
     expected = {m.name for m in RANK_METRICS if m.kind != "histogram"}
     after_a_checkpoint = {"trainpatrol_checkpoint_write_seconds", "trainpatrol_last_checkpoint_step",
                           "trainpatrol_last_checkpoint_timestamp_seconds"}
-    assert expected - full == after_a_checkpoint | {"trainpatrol_cuda_memory_baseline_slope_bytes_per_step"}
+    # the allocator baseline's slope needs readings spread over time: a run slowed by a busy machine has one
+    slope = {"trainpatrol_cuda_memory_baseline_slope_bytes_per_step"}
+    assert after_a_checkpoint <= expected - full <= after_a_checkpoint | slope
     assert len(series_of_rank(exposition["full"])) > len(series_of_rank(exposition["standard"])) + 40
