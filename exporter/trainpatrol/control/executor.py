@@ -188,7 +188,7 @@ class Executor:
                 state = training.sharded_state()
                 bad = ckpt.nonfinite_entries(state)  # this rank's shards
                 if background:  # only this copy into host memory blocks training
-                    state = self._shard_writer.stage(state)
+                    state = self._shard_writer.stage(state, on_gpu=self.facts.device.type == "cuda")
             replicated = training.replicated(step, sharded=shards) if rank == 0 else None
             if replicated is not None and not shards:
                 bad = ckpt.nonfinite_entries(replicated)

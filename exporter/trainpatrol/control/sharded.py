@@ -76,11 +76,11 @@ class BackgroundWriter:
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state: dict[str, Any], on_gpu: bool) -> dict[str, Any]:
+        """``on_gpu``: the rank trains on a GPU (its shards are staged into pinned memory)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._stager is None:
-            on_gpu = any(local(t).is_cuda for t in _tensors(state))
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=on_gpu))
         staged: dict[str, Any] = self._stager.stage(state)
@@ -119,16 +119,6 @@ class _AlreadyStaged:
 
     def close(self) -> None:
         pass
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def load(where: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
