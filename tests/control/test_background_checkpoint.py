@@ -124,3 +124,25 @@ def test_a_run_whose_close_waits_for_a_write_reads_stopping_not_running(
     closing.join(30)
     assert patrol.state == "closed"
     assert [(a.action, a.outcome, a.step) for a in patrol.actions] == [("checkpoint", "ok", 10)]
+
+
+def test_a_single_process_dcp_checkpoint_written_in_the_background_holds_the_state_of_its_step(
+        tmp_path: Path) -> None:
+    model, opt = mlp()
+    cfg = config(tmp_path, "dcp-single", guard_actions={}, background_checkpoints=True, checkpoint_format="dcp")
+    patrol = Patrol(model=model, optimizer=opt, config=cfg)
+    train_mlp(patrol, model, opt, 10)
+    patrol.request("checkpoint", "test")
+    patrol.boundary()  # staged here, with no process group to write it with
+    at_step = {k: v.clone() for k, v in model.state_dict().items()}
+    train_mlp(patrol, model, opt, 30)
+    patrol._control.executor.wait_for_write()
+    assert [(a.action, a.outcome, a.step) for a in patrol.actions] == [("checkpoint", "ok", 10)]
+    patrol.close()
+
+    model, opt = mlp(seed=7)
+    fresh = Patrol(model=model, optimizer=opt, config=config(tmp_path, "dcp-single", checkpoint_format="dcp"))
+    assert fresh.restore("latest").step == 10
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, at_step[k]), k
+    fresh.close()

@@ -1,5 +1,6 @@
 """Checkpoints of a CUDA model on the GPU: a background checkpoint staged through pinned memory, and a
-torch.distributed.checkpoint (DCP) checkpoint, each restored into a fresh model exactly."""
+torch.distributed.checkpoint (DCP) checkpoint written in the loop or staged and written in the background,
+each restored into a fresh model exactly."""
 
 from __future__ import annotations
 
@@ -35,12 +36,12 @@ def train(patrol: Patrol, model: torch.nn.Module, opt: torch.optim.Optimizer, un
         one_step(patrol, model, opt)
 
 
-@pytest.mark.parametrize("fmt", ["torch", "dcp"])
-def test_a_cuda_checkpoint_restores_the_state_of_its_step(tmp_path: Path, fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "background"), [("torch", True), ("dcp", False), ("dcp", True)])
+def test_a_cuda_checkpoint_restores_the_state_of_its_step(tmp_path: Path, fmt: str, background: bool) -> None:
     cfg = PatrolConfig(run=f"gpu-{fmt}", agent_url="http://127.0.0.1:9", embedded_agent=False,
                        checkpoint_dir=str(tmp_path / "ckpt"), evidence_dir=str(tmp_path / "evidence"),
                        push_interval_seconds=3600, guard_actions={}, checkpoint_format=fmt,
-                       background_checkpoints=fmt == "torch")
+                       background_checkpoints=background)
     model, opt = build(0)
     patrol = Patrol(model=model, optimizer=opt, config=cfg)
     train(patrol, model, opt, 20)

@@ -28,6 +28,12 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def holds_dtensors(model: torch.nn.Module | None) -> bool:
     dtensor = _dtensor_type()
     return model is not None and dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
@@ -70,10 +76,10 @@ class BackgroundWriter:
 
     def join_group(self) -> None:
         """The gloo group of DCP's collectives, made at the first save: a collective of every rank, so it comes
-        before anything at the boundary that could fail on one rank alone."""
+        before anything at the boundary that could fail on one rank alone. A single process has no group."""
         import torch.distributed as dist
 
-        if self._group is None:
+        if self._group is None and _distributed():
             self._group = dist.new_group(backend="gloo")
 
     def stage(self, state: dict[str, Any], on_gpu: bool) -> dict[str, Any]:
@@ -92,7 +98,7 @@ class BackgroundWriter:
         from torch.distributed.checkpoint import state_dict_saver
 
         result: Any = state_dict_saver.async_save(staged, checkpoint_id=str(where), process_group=self._group,
-                                                  async_stager=_AlreadyStaged())
+                                                  async_stager=_AlreadyStaged(), no_dist=not _distributed())
         future: Future[Any] = getattr(result, "upload_completion", result)  # an AsyncSaveResponse, or the future
         return future
 
