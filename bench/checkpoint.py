@@ -1,5 +1,5 @@
 """What a checkpoint costs the training loop, side by side in one run: Patrol's ``checkpoint`` action (state
-staged in pinned host memory, written in the background), a synchronous ``torch.save`` (what a pause or stop
+staged in pinned host memory, written in the background, as ``state.bin`` and as DCP shards), a synchronous ``torch.save`` (what a pause or stop
 writes), DCP's ``async_save`` (default, and with a pinned ``DefaultStager``), one pinned device-to-host copy of
 the state (the floor) and the disk's own sequential rate (``dd``, O_DIRECT); and the ways of writing the
 staged state on a thread while training runs (torch.save to a file object or a path, and Patrol's own
@@ -139,6 +139,53 @@ def compare_writers(loop: Loop, staged: Any, root: Path, steps: int) -> dict[str
     return out
 
 
+def patrol_checkpoints(loop: Loop, root: Path, fmt: str, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Two ``checkpoint`` actions of a Patrol writing ``fmt`` in the background (``torch``: rank 0's whole state
+    in ``state.bin``; ``dcp``: every rank's shards through DCP's ``async_save``), then a restore into a fresh
+    model compared with the weights at the step the second names."""
+    model, opt, device = loop.model, loop.opt, loop.device
+    config = PatrolConfig(run=f"bench-checkpoint-{fmt}", agent_url="http://127.0.0.1:9", embedded_agent=False,
+                          checkpoint_dir=str(root / f"patrol-{fmt}"), evidence_dir=str(root / "evidence"),
+                          push_interval_seconds=3600, guard_actions={}, keep_checkpoints=1,
+                          background_checkpoints=True, checkpoint_format=fmt)
+    patrol = Patrol(model=model, optimizer=opt, config=config)
+    executor, loop.patrol = patrol._control.executor, patrol
+    loop.steps(3)
+    name = "patrol_checkpoint" if fmt == "torch" else f"patrol_checkpoint_{fmt}"
+    out[f"step_ms_with_patrol_{fmt}"] = round(loop.steps(args.steps) * 1e3, 2)
+    at_step = None
+    for attempt in ("first (allocates the pinned buffers)", "second"):
+        patrol.request("checkpoint", f"bench, {attempt}")
+        blocked = 0.0
+        for _ in range(100):  # the boundary where the ranks agree on it stages the state
+            sync(device)
+            start = time.perf_counter()
+            patrol.boundary()
+            blocked = max(blocked, time.perf_counter() - start)
+            if executor._writer is not None:
+                at_step = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                break
+            loop.step()
+        writer = executor._writer
+        during = loop.steps_while(lambda w=writer: w is not None and w.is_alive(), args.steps)
+        executor.wait_for_write()
+        out[f"{name}_{attempt.split()[0]}"] = {
+            "blocked_s": round(blocked, 3), "durable_s": round(patrol._record.last_checkpoint_write_seconds, 3),
+            "step_ms_while_writing": round(during * 1e3, 2), "outcome": patrol.actions[-1].outcome}
+    loop.patrol = None
+    patrol.close()
+    torch.manual_seed(1)
+    fresh = GPT(args.layers, args.dim, max(1, args.dim // 128), seq=args.seq).to(device)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4, fused=device.type == "cuda")
+    restorer = Patrol(model=fresh, optimizer=fresh_opt, config=config)
+    restorer.restore("latest")
+    assert at_step is not None
+    out[f"{name}_second"]["exact"] = all(torch.equal(v, at_step[k]) for k, v in fresh.state_dict().items())
+    restorer.close()
+    del fresh, fresh_opt
+    shutil.rmtree(root / f"patrol-{fmt}", ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -177,45 +224,9 @@ def main() -> None:
     out["torch_save_sync"] = {"blocked_s": round(time.perf_counter() - start, 3)}
     (root / "sync.pt").unlink()
 
-    # Patrol's checkpoint action
-    config = PatrolConfig(run="bench-checkpoint", agent_url="http://127.0.0.1:9", embedded_agent=False,
-                          checkpoint_dir=str(root / "patrol"), evidence_dir=str(root / "evidence"),
-                          push_interval_seconds=3600, guard_actions={}, keep_checkpoints=1,
-                          background_checkpoints=True)
-    patrol = Patrol(model=model, optimizer=opt, config=config)
-    executor, loop.patrol = patrol._control.executor, patrol
-    loop.steps(3)
-    out["step_ms_with_patrol"] = round(loop.steps(args.steps) * 1e3, 2)
-    for attempt in ("first (allocates the pinned buffers)", "second"):
-        patrol.request("checkpoint", f"bench, {attempt}")
-        blocked, at_step = 0.0, None
-        for _ in range(100):  # the boundary where the ranks agree on it stages the state
-            sync(device)
-            start = time.perf_counter()
-            patrol.boundary()
-            blocked = max(blocked, time.perf_counter() - start)
-            if executor._writer is not None:
-                at_step = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                break
-            loop.step()
-        writer = executor._writer
-        during = loop.steps_while(lambda w=writer: w is not None and w.is_alive(), args.steps)
-        executor.wait_for_write()
-        out[f"patrol_checkpoint_{attempt.split()[0]}"] = {
-            "blocked_s": round(blocked, 3), "durable_s": round(patrol._record.last_checkpoint_write_seconds, 3),
-            "step_ms_while_writing": round(during * 1e3, 2), "outcome": patrol.actions[-1].outcome}
-    loop.patrol = None
-    patrol.close()
+    for fmt in ("torch", "dcp"):
+        patrol_checkpoints(loop, root, fmt, args, out)
     out["disk_after_patrol"] = disk_rate(root, size)  # a cloud disk can slow down after sustained writes
-    torch.manual_seed(1)
-    fresh = GPT(args.layers, args.dim, max(1, args.dim // 128), seq=args.seq).to(device)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4, fused=device.type == "cuda")
-    restorer = Patrol(model=fresh, optimizer=fresh_opt, config=config)
-    restorer.restore("latest")
-    assert at_step is not None
-    out["patrol_checkpoint_second"]["exact"] = all(torch.equal(v, at_step[k]) for k, v in fresh.state_dict().items())
-    restorer.close()
-    del fresh, fresh_opt
 
     # DCP's own async_save, default and with pinned staging
     import torch.distributed.checkpoint as dcp

@@ -146,3 +146,27 @@ def test_a_single_process_dcp_checkpoint_written_in_the_background_holds_the_sta
     for k, v in model.state_dict().items():
         assert torch.equal(v, at_step[k]), k
     fresh.close()
+
+
+def test_dcp_checkpoints_go_on_when_torchs_stager_closes_itself_after_each_stage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager._stage
+
+    def stage_then_close(self: Any, state_dict: Any, **kwargs: Any) -> Any:  # torch 2.11 (pytorch#183413)
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    model, opt = mlp()
+    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "dcp-stager", guard_actions={},
+                                                              background_checkpoints=True, checkpoint_format="dcp",
+                                                              pause_timeout_seconds=5))  # a failed save pauses
+    for step in (10, 20):
+        train_mlp(patrol, model, opt, step)
+        patrol.request("checkpoint", "test")
+        patrol.boundary()
+        patrol._control.executor.wait_for_write()
+    assert [(a.action, a.outcome, a.step) for a in patrol.actions] == [("checkpoint", "ok", 10), ("checkpoint", "ok", 20)]
+    patrol.close()

@@ -90,6 +90,10 @@ class BackgroundWriter:
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=on_gpu))
         staged: dict[str, Any] = self._stager.stage(state)
+        if not getattr(getattr(self._stager, "_state_dict_stager", None), "_deepcopy_dispatch", True):
+            # torch 2.11's stager closes itself after each stage (pytorch#183413): a second stage raised
+            # KeyError(<class 'type'>); the next checkpoint makes a new one
+            self._stager = None
         return staged
 
     def write(self, where: Path, staged: dict[str, Any]) -> Future[Any]:
