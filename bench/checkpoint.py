@@ -1,9 +1,9 @@
 """What a checkpoint costs the training loop, side by side in one run: Patrol's ``checkpoint`` action (state
-staged in pinned host memory, written in the background, as ``state.bin`` and as DCP shards), a synchronous ``torch.save`` (what a pause or stop
-writes), DCP's ``async_save`` (default, and with a pinned ``DefaultStager``), one pinned device-to-host copy of
-the state (the floor) and the disk's own sequential rate (``dd``, O_DIRECT); and the ways of writing the
-staged state on a thread while training runs (torch.save to a file object or a path, and Patrol's own
-``state.bin``), which is why Patrol writes its own file.
+staged in pinned host memory, written in the background, as ``state.bin`` and as DCP shards), a synchronous
+``torch.save`` (what a pause or stop writes), DCP's ``async_save`` (default, and with a pinned ``DefaultStager``),
+one pinned device-to-host copy of the state (the floor) and the disk's own sequential rate (``dd``, O_DIRECT);
+and the ways of writing the staged state on a thread while training runs (torch.save to a file object or a path,
+and Patrol's own ``state.bin``), which is why Patrol writes its own file.
 
     python bench/checkpoint.py [--layers 24 --dim 1792] [--dir /path/on/the/disk] [--steps 20]
 

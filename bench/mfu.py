@@ -13,7 +13,7 @@ Per case:
   last evaluation before the last step; a 5-minute rate is right only once the run's counters span 5 minutes, so
   a shorter case also reports the same expression over ``[1m]``.
 - ``by hand``: (6 · parameters + 12 · layers · width · sequence) FLOPs per token (the PaLM paper's count, the
-  attention term included) × tokens per step ÷ the measured step time ÷ the device's dense bf16 peak.
+  attention term included) times tokens per step, over the measured step time and the device's dense bf16 peak.
 - The GPU's own view over the timed steps: NVML's ``utilization.gpu`` and, where the GPU supports GPM (Hopper
   and later), the SM and tensor-pipe activity that dcgm-exporter exports as ``DCGM_FI_PROF_SM_ACTIVE`` and
   ``DCGM_FI_PROF_PIPE_TENSOR_ACTIVE``.
@@ -217,7 +217,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, action="append",
                     help="training seconds of each --case, in order (default 330: the 5-minute rate needs 5 minutes)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--cpu-peak", type=float, default=1e12, help="the peak FLOP/s assumed for --device cpu (a smoke run)")
+    ap.add_argument("--cpu-peak", type=float, default=1e12,
+                    help="the peak FLOP/s assumed for --device cpu (a smoke run)")
     args = ap.parse_args()
     names = args.case or ["gpt2-124m"]
     seconds = (args.seconds or []) + [330.0] * (len(names) - len(args.seconds or []))
@@ -230,11 +231,11 @@ def main() -> None:
                                                            [REPO / "alerting" / "rules.yml"], "127.0.0.1:9"))
     procs = [subprocess.Popen([sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port",
                                str(agent_port), "--no-nvml"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=open(work / "agent.log", "wb")),
+                              stderr=subprocess.DEVNULL),
              subprocess.Popen([os.environ.get("PROMETHEUS") or shutil.which("prometheus") or "prometheus",
                                f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
                                f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
-                              stdout=subprocess.DEVNULL, stderr=open(work / "prometheus.log", "wb"))]
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     agent, prom = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{prom_port}"
     try:
         wait_until("agent", lambda: urllib.request.urlopen(agent + "/healthz", timeout=2), 30)

@@ -168,5 +168,5 @@ def test_dcp_checkpoints_go_on_when_torchs_stager_closes_itself_after_each_stage
         patrol.request("checkpoint", "test")
         patrol.boundary()
         patrol._control.executor.wait_for_write()
-    assert [(a.action, a.outcome, a.step) for a in patrol.actions] == [("checkpoint", "ok", 10), ("checkpoint", "ok", 20)]
+    assert [(a.outcome, a.step) for a in patrol.actions if a.action == "checkpoint"] == [("ok", 10), ("ok", 20)]
     patrol.close()
