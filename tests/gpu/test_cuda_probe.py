@@ -178,7 +178,45 @@ def test_the_readme_loop_over_a_dataloader_with_workers_never_syncs(tmp_path: Pa
                 torch.cuda.set_sync_debug_mode(0)
     assert patrol.step_count == 64
     assert patrol._totals.tokens == 64 * 16 * 32
+    assert patrol._totals.compute > 0  # the compute clock's CUDA events were read back, with no sync
     assert 0 < patrol._latest.loss < 10  # read back, finite
+
+
+def test_compute_time_is_the_device_time_of_forward_and_backward_not_a_wait_of_the_host(tmp_path: Path) -> None:
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    x = torch.randn(4096, 2048, device=DEV)
+
+    def forward_backward() -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        forward_backward()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        forward_backward()
+    end.record()
+    end.synchronize()
+    device_s = start.elapsed_time(end) / 1e3 / 10
+    opt.zero_grad()
+    patrol = patrol_for(tmp_path, model)
+    patrol.optimizer = opt
+    for _ in range(40):
+        torch.cuda.synchronize()
+        time.sleep(0.02)  # the host waits (for data, say) while the device idles
+        patrol.step(forward_backward())
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    patrol.close()
+    per_step = patrol._totals.compute / 40
+    assert 0.8 * device_s <= per_step <= 1.15 * device_s, (per_step, device_s)
 
 
 def test_loss_sync_is_caught_by_the_check() -> None:

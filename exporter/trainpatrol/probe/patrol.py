@@ -28,6 +28,7 @@ from ..control.run_record import RunRecord
 from ..control.training_state import STATEFUL, TrainingState
 from ..protocol import ActionRecord
 from .collective_trace import enable_flight_recorder
+from .compute_clock import ComputeClock
 from .config import PatrolConfig
 from .control_loop import ControlLoop, guard_trips
 from .embedded import ensure_agent
@@ -169,7 +170,7 @@ class Patrol:
             self._recorder, self._record, self._commands, self._evidence, cfg.evidence_dir, identity.rank,
             identity.world_size,
             multiple=cfg.stall_step_multiple, floor_seconds=cfg.stall_seconds, acting=lambda: control.acting)
-        self._compute_hook = self._time_compute(model) if self._device.type == "cpu" else None
+        self._time_compute(model)
         if self._device.type == "cuda":
             self._report.device_name = torch.cuda.get_device_name(self._device)
         self._dtype_hook = self._see_compute_dtype(model)
@@ -195,19 +196,14 @@ class Patrol:
         handle = model.register_forward_pre_hook(seen)  # type: ignore[union-attr]
         return handle
 
-    def _time_compute(self, model: torch.nn.Module | None) -> Any:
-        """A hook on the model's first parameter, whose gradient backward computes last: when it fires, the rank's
-        compute is done, and what follows (DDP's wait for its peers) is not (``trainpatrol_compute_seconds_total``)."""
-        first = next((p for p in model.parameters() if p.requires_grad), None) if model is not None else None
-        if first is None:
-            return None
-        recorder = self._recorder
-        self._totals.compute = 0.0
-
-        def backward_done(_: torch.Tensor) -> None:
-            recorder.backward_done = time.perf_counter()
-
-        return first.register_post_accumulate_grad_hook(backward_done)
+    def _time_compute(self, model: torch.nn.Module | None) -> None:
+        """``trainpatrol_compute_seconds_total``: the rank's forward and backward, apart from its waits for peers."""
+        if model is None or self._recorder.compute_clock is not None:
+            return
+        clock = ComputeClock(model, self._device)
+        if clock.active:
+            self._recorder.compute_clock = clock
+            self._totals.compute = 0.0
 
     # --- what users read ------------------------------------------------------------------------
     @property
@@ -383,8 +379,8 @@ class Patrol:
         self._publisher.stop(final_push=True)
         if self._hooks is not None:
             self._hooks.remove()
-        if self._compute_hook is not None:
-            self._compute_hook.remove()
+        if self._recorder.compute_clock is not None:
+            self._recorder.compute_clock.remove()
         if self._dtype_hook is not None:
             self._dtype_hook.remove()
 
@@ -426,6 +422,7 @@ class Patrol:
         Returns whether the ranks agree through ``torch.distributed``."""
         if self._dtype_hook is None and model is not None:
             self._dtype_hook = self._see_compute_dtype(model)
+        self._time_compute(model)
         report = self._report
         if flops_per_token and not (report.flops_per_token or report.flops_per_step):
             report.flops_per_token = flops_per_token

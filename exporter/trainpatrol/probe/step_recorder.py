@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import device_values as dv
+from .compute_clock import ComputeClock
 from .config import PatrolConfig
 from .guards import Guards
 from .memory import default_reader
@@ -70,10 +71,8 @@ class StepRecorder:
         self._wait_since_step = 0.0
         self.probe_since_step = 0.0
         self.last_step_end = time.perf_counter()
-        self.backward_done = -math.inf
-        """When the last backward pass accumulated the model's first parameter's gradient (computed last): the
-        rank's compute ends there, before DDP waits for its peers in the gradient all-reduce. Host clock,
-        set by a hook on CPU ranks only (on a GPU the host runs ahead of the device)."""
+        self.compute_clock: ComputeClock | None = None
+        """Times the rank's forward and backward apart from its waits for peers (set when Patrol has a model)."""
         self._last_scale = math.nan
         self._same_norm, self._same_norm_steps, self._warned_clipped = math.nan, 0, False
 
@@ -152,8 +151,8 @@ class StepRecorder:
         rows = self._rows
         if not rows:
             self.owner = threading.get_ident()
-        if self.backward_done > self.last_step_end:
-            t.compute += max(0.0, self.backward_done - self.last_step_end - self._wait_since_step)
+        if self.compute_clock is not None:
+            self.compute_clock.step()
         row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f, scale_f,
                float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
         rows.append(row)
@@ -241,6 +240,8 @@ class StepRecorder:
             # the next batch covers about readback_lag_seconds of steps
             if self._batch_steps and elapsed > 0:
                 self._batch = max(1, min(dv.ROWS, int(self.config.readback_lag_seconds * len(rows) / elapsed)))
+        if self.compute_clock is not None:
+            self.totals.compute = self.compute_clock.collect()
         if not self.on_cpu:
             self._flush()
             self._absorb(self._readback.poll())
