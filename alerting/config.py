@@ -134,7 +134,14 @@ class Config:
     # Data loading, utilisation, stragglers.
     loader_wait_ratio: float = 0.3  # seeds
     """DataLoaderBound: loader wait over step time within 2m (the recording rule's fixed window)."""
+    mfu_underutilized_ratio: float = 0.05
+    """GPUUnderutilized: a rank's model FLOPs utilisation over the window below this, where its run gives its FLOPs
+    and the GPU's peak is known (alerting/README.md has the measured runs behind it)..."""
+    sm_active_underutilized_ratio: float = 0.3
+    """...else, in DCGM mode where dcgm-exporter exports ``DCGM_FI_PROF_SM_ACTIVE``, the GPU's SM activity below
+    this..."""
     gpu_underutilized_ratio: float = 0.5
+    """...else the share of time in which any kernel ran (NVML's utilization.gpu, DCGM_FI_DEV_GPU_UTIL)."""
     gpu_underutilized_window: str = "15m"
     straggler_ratio: float = 1.2
     """Straggler: the rank's mean step time over 5 m is this many times the run's median."""

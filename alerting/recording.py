@@ -133,20 +133,21 @@ def group(cfg: Config) -> Group:
     return Group("trainpatrol-recording", rules)
 
 
-def achieved_flops(cfg: Config) -> str:
-    """Each rank's model FLOP/s over 5 m: its tokens (or steps) per second times the run's FLOPs per token (or
-    step), which its agent serves once per run."""
+def achieved_flops(cfg: Config, window: str = "5m") -> str:
+    """Each rank's model FLOP/s over ``window``: its tokens (or steps) per second times the run's FLOPs per token
+    (or step), which its agent serves once per run."""
     agent_run = f"{cfg.cluster_label}, namespace, job, instance, run"
     def times(counter: str, per: str) -> str:
-        return f"rate({sel(cfg, counter)}[5m])\n* on ({agent_run}) group_left ()\n{sel(cfg, per)}"
+        return f"rate({sel(cfg, counter)}[{window}])\n* on ({agent_run}) group_left ()\n{sel(cfg, per)}"
     return (f"{times('trainpatrol_tokens_total', 'trainpatrol_run_model_flops_per_token')}\nor\n"
             f"{times('trainpatrol_step_total', 'trainpatrol_run_model_flops_per_step')}")
 
 
-def mfu(cfg: Config) -> str:
-    """Each rank's model FLOPs utilisation: its model FLOP/s over its GPUs' dense peak in the dtype it computes in."""
+def mfu(cfg: Config, window: str = "5m") -> str:
+    """Each rank's model FLOPs utilisation over ``window``: its model FLOP/s over its GPUs' dense peak in the dtype
+    it computes in; none where the run gives no FLOPs or the peak is unknown."""
     agent_run = f"{cfg.cluster_label}, namespace, job, instance, run"
-    return (f"(\n{indent(achieved_flops(cfg))}\n)\n/ on ({agent_run}) group_left ()\n"
+    return (f"(\n{indent(achieved_flops(cfg, window))}\n)\n/ on ({agent_run}) group_left ()\n"
             f"max without (dtype) ({sel(cfg, 'trainpatrol_run_peak_flops')} > 0)")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .config import Config
 from .promql import (
-    GPU,
     INSTANCE,
     PERCENT,
     RANK,
@@ -12,6 +11,8 @@ from .promql import (
     VALUE,
     Alert,
     Group,
+    dcgm_gpu_labels,
+    dsel,
     gpu_utilization,
     indent,
     num,
@@ -21,9 +22,40 @@ from .promql import (
     run_labels,
     sel,
     unless_halted,
-    uuid_of,
 )
-from .recording import COMPUTE_MEDIAN_RUN, STEP_MEAN_RANK, STEP_MEDIAN_RUN, compute_mean
+from .recording import COMPUTE_MEDIAN_RUN, STEP_MEAN_RANK, STEP_MEDIAN_RUN, compute_mean, mfu
+
+MEASURE = "{{ $labels.measure }}"
+"""What GPUUnderutilized judged the rank by: ``model FLOPs utilisation``, ``SM activity`` or ``kernel time``."""
+
+
+def sm_clause(cfg: Config) -> str:
+    return f", else SM activity {num(cfg.sm_active_underutilized_ratio * 100)}%" if cfg.gpu_source == "dcgm" else ""
+
+
+def underused(cfg: Config, w: str) -> str:
+    """Ranks whose GPU does little of the work it could over ``w``, each labelled with the ``measure`` it was judged
+    by: its model FLOPs utilisation where its run gives its FLOPs and the peak is known (NVML's utilisation reads
+    100 % for a launch-bound loop whose kernels keep a few SMs busy); else, with DCGM, the SM activity
+    (``DCGM_FI_PROF_SM_ACTIVE``, where dcgm-exporter's profiling fields are on); else the share of time any kernel
+    ran."""
+    rank_on = rank_labels(cfg)
+    mfu_w = f"(\n{indent(mfu(cfg, w))}\n)"
+    by_mfu = f"{mfu_w}\n< {num(cfg.mfu_underutilized_ratio)}"
+    kernel_time = f"{gpu_utilization(cfg, w)} < {num(cfg.gpu_underutilized_ratio)}"
+    fallbacks = [("kernel time", kernel_time)]
+    if cfg.gpu_source == "dcgm":
+        sm_active = dsel(cfg, "DCGM_FI_PROF_SM_ACTIVE")
+        fallbacks = [("SM activity", f"avg_over_time({sm_active}[{w}]) < {num(cfg.sm_active_underutilized_ratio)}"),
+                     ("kernel time", f"{kernel_time}\nunless on ({dcgm_gpu_labels(cfg)})\n{sm_active}")]
+    branches = [labelled("model FLOPs utilisation", by_mfu)] + [
+        labelled(name, f"(\n{indent(on_rank(cfg, expr))}\n)\nunless on ({rank_on})\n{mfu_w}")
+        for name, expr in fallbacks]
+    return "\nor\n".join(branches)
+
+
+def labelled(measure: str, expr: str) -> str:
+    return f'label_replace(\n{indent(expr)},\n  "measure", "{measure}", "", ""\n)'
 
 
 def group(cfg: Config) -> Group:
@@ -33,12 +65,9 @@ def group(cfg: Config) -> Group:
         return sel(cfg, metric, *matchers)
 
     w = cfg.gpu_underutilized_window
-    idle = (
-        on_rank(cfg, f"{gpu_utilization(cfg, w)} < {num(cfg.gpu_underutilized_ratio)}")
-        + f"\nand on ({rank_on})\n({s('trainpatrol_rank_up')} == 1)"
-        # A paused, stopping or closed run idles its GPUs on purpose.
-        + "\n" + unless_halted(run_on, w)
-    )
+    idle = (f"(\n{indent(underused(cfg, w))}\n)\nand on ({rank_on})\n({s('trainpatrol_rank_up')} == 1)"
+            # A paused, stopping or closed run idles its GPUs on purpose.
+            + "\n" + unless_halted(run_on, w))
     # Every throughput ratio judges a run that trains: none while any rank of it is paused, stopping,
     # stopped, closed or down, nor for as long as the ratio's window still holds such a time.
     loader_ratio = rate_ratio(cfg, "trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum",
@@ -67,9 +96,10 @@ def group(cfg: Config) -> Group:
         ),
         Alert(
             "GPUUnderutilized", idle, "info",
-            "A training GPU is mostly idle.",
-            f"GPU {GPU} ({uuid_of(cfg)}) on {INSTANCE}, used by rank {RANK} of run {RUN}, ran kernels only {PERCENT} "
-            f"of the time over the last {w} (threshold {num(cfg.gpu_underutilized_ratio * 100)}%).",
+            "A training GPU does little of the work it could.",
+            f"{who}{{{{ with $labels.gpu }}}} (GPU {{{{ . }}}}){{{{ end }}}}: {MEASURE} {PERCENT} over the last {w} "
+            f"(thresholds: model FLOPs utilisation {num(cfg.mfu_underutilized_ratio * 100)}% where the run gives its "
+            f"FLOPs{sm_clause(cfg)}, else kernel time {num(cfg.gpu_underutilized_ratio * 100)}%).",
         ),
         Alert(
             "Straggler", straggler, "warning",
