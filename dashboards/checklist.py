@@ -19,6 +19,7 @@ from dashboards.common import (
     Q,
     dashboard,
     finish,
+    on_dcgm_gpu,
     on_gpu,
     row,
     runbook,
@@ -114,9 +115,10 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "GPU utilization",
-        "Are the run's GPUs busy? Lowest 10-minute mean utilization over the run's GPUs.",
-        "min by (run) (" + on_gpu(
-            "avg_over_time(trainpatrol_gpu_utilization_ratio{node=~\"$node\"}[10m])") + ")",
+        "Are the run's GPUs busy? Lowest 10-minute mean utilization over the run's GPUs (NVML's, or "
+        "dcgm-exporter's DCGM_FI_DEV_GPU_UTIL in DCGM mode).",
+        "min by (run) (\n  " + on_gpu("avg_over_time(trainpatrol_gpu_utilization_ratio{node=~\"$node\"}[10m])")
+        + "\n  or\n  " + on_dcgm_gpu('avg_over_time(DCGM_FI_DEV_GPU_UTIL{cluster=~"$cluster"}[10m]) / 100') + "\n)",
         "percentunit", ((None, RED), (0.5, YELLOW), (0.8, GREEN)),
         "at least 50 % (the alert fires below 50 %)",
         "Look for the bottleneck outside the GPU: loader wait ratio, host CPU, step-time stragglers; "

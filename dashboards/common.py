@@ -62,6 +62,15 @@ RANK_GPU = (
     'max by (instance, uuid, run, rank) (label_replace(trainpatrol_rank_info{' + RUN + ', gpu_uuid!=""}, '
     '"uuid", "$1", "gpu_uuid", "(.+)"))'
 )
+DCGM_JOIN = "cluster_uuid:trainpatrol_rank_info:topk1_newest"
+"""The newest rank on each GPU by its UUID, recorded by alerting/rules-dcgm.yml: joins dcgm-exporter's series."""
+
+
+def on_dcgm_gpu(expr: str) -> str:
+    """``expr`` (per dcgm-exporter GPU, keeping UUID) on the selected runs' GPUs, labelled with run and rank."""
+    return f"{expr} * on (UUID) group_left (run, rank) max by (UUID, run, rank) ({DCGM_JOIN}{{{RUN}}})"
+
+
 # Every GPU some rank uses, whatever the run and rank variables say.
 ANY_RANK_GPU = 'label_replace(trainpatrol_rank_info{gpu_uuid!=""}, "uuid", "$1", "gpu_uuid", "(.+)")'
 

@@ -12,7 +12,20 @@ from grafana_foundation_sdk.builders import table
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 
-from dashboards.common import DS, RUN, Q, dashboard, finish, row, state_timeline, steps, target, ts, value_map
+from dashboards.common import (
+    DCGM_JOIN,
+    DS,
+    Q,
+    dashboard,
+    finish,
+    on_dcgm_gpu,
+    row,
+    state_timeline,
+    steps,
+    target,
+    ts,
+    value_map,
+)
 
 UID = "trainpatrol-gpu-node-dcgm"
 TITLE = "trainpatrol / GPU node (DCGM)"
@@ -23,7 +36,6 @@ ABOUT = ("dcgm-exporter's readings per GPU of the selected nodes, joined through
 NODE = 'cluster=~"$cluster", Hostname=~"$node"'
 LEGEND = "{{Hostname}} GPU {{gpu}} (run {{run}} rank {{rank}})"
 GPU = ("Hostname", "gpu", "UUID")
-JOIN = "cluster_uuid:trainpatrol_rank_info:topk1_newest"
 MIB = 1024 * 1024
 
 
@@ -34,9 +46,8 @@ def _by(*extra: str) -> str:
 def on_node_gpu(expr: str) -> str:
     """``expr`` per GPU, labelled with run and rank where a rank of the selected runs uses it, "-" where none
     does."""
-    ranks = f"{JOIN}{{{RUN}}}"
-    used = f"{expr} * on (UUID) group_left (run, rank) max by (UUID, run, rank) ({ranks})"
-    idle = f"{expr} unless on (UUID) {JOIN}"
+    used = on_dcgm_gpu(expr)
+    idle = f"{expr} unless on (UUID) {DCGM_JOIN}"
     idle = f'label_replace(label_replace({idle}, "run", "-", "", ""), "rank", "-", "", "")'
     return f"({used}) or on (UUID) {idle}"
 

@@ -583,7 +583,8 @@ class StaticExporter:
 @needs_prometheus
 def test_every_dcgm_panel_query_returns_data_beside_a_dcgm_exporter(tmp_path: Path) -> None:
     """The DCGM mode as deployed: the agent without NVML, dcgm-exporter's series scraped beside it, the
-    DCGM rules loaded (their join table), and a rank on GPU 0."""
+    DCGM rules loaded (their join table), and a rank on GPU 0: every panel of the DCGM dashboard and the
+    checklist's utilisation checks show data."""
     with agent(tmp_path, "--no-nvml") as agent_url, StaticExporter(dcgm_exposition(K8S_LABELS["node"])) as dcgm, \
             prometheus(tmp_path, [agent_url.removeprefix("http://")], rule_files=[REPO / "alerting" / "rules-dcgm.yml"],
                        labels=K8S_LABELS, other_jobs={"dcgm-exporter": [f"127.0.0.1:{dcgm.port}"]}) as prom, \
@@ -606,6 +607,12 @@ def test_every_dcgm_panel_query_returns_data_beside_a_dcgm_exporter(tmp_path: Pa
                 empty.append(str(q))
             joined += any(series["metric"].get("run") == LIVE_RUNS[1] for series in result)
             lines[q.panel] = lines.get(q.panel, 0) + len(result)
+        # the checklist's utilisation checks read the same run with DCGM series in place of NVML's
+        utilisation = [q for q in queries("training-checklist.json")
+                       if q.ref.endswith(("(MFU)", "(Tokens/s per GPU)", "(GPU utilization)"))]
+        assert len(utilisation) == 3, utilisation
+        empty += [f"{q}: no data" for q in utilisation
+                  if not _has_data(_query_range(window, substitute(q.expr, LIVE_VALUES)))]
     assert not empty, "DCGM panels that show nothing:\n" + "\n".join(empty)
     assert joined == len(panels)  # every panel names the rank's run on its GPU
     # a line or two per GPU: at most MAX_LINES on a node of 8 GPUs (the fleet test checks 8 of them)
