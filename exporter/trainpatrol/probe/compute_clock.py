@@ -12,6 +12,7 @@ recorded on the current stream; they are read back once both have completed (``E
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Any
@@ -25,8 +26,11 @@ EVENT_PAIRS = 8
 class ComputeClock:
     def __init__(self, model: torch.nn.Module, device: torch.device, every: int = 4) -> None:
         first = next((p for p in model.parameters() if p.requires_grad), None)
-        self.seconds = 0.0
-        """Compute seconds of the steps whose times have been read (a total, like the step counter)."""
+        self.seconds = math.nan
+        """Compute seconds of the steps whose times have been read (a total, like the step counter); NaN (not
+        exported) until a step's end was seen: a model whose first parameter's gradient is not accumulated by
+        autograd (FSDP2 sets its sharded gradients itself) measures none, and the Straggler rule reads its step
+        time instead."""
         self._on_gpu = device.type == "cuda"
         self._every = every if self._on_gpu else 1
         self._began = self._ended = 0.0
@@ -66,7 +70,7 @@ class ComputeClock:
                 start, end = self._free.pop()
                 self._pending.append((start, end, self._steps_since))
             else:
-                self.seconds += self._ended - self._began
+                self.seconds = (0.0 if math.isnan(self.seconds) else self.seconds) + self._ended - self._began
             self._steps_since = 0
         self._began = self._ended = 0.0
         self._timing = bool(self._free) and self._steps_since + 1 >= self._every if self._on_gpu else True
@@ -76,7 +80,8 @@ class ComputeClock:
         pending = self._pending
         while pending and pending[0][1].query():
             start, end, steps = pending.popleft()
-            self.seconds += start.elapsed_time(end) / 1e3 * steps
+            spent = start.elapsed_time(end) / 1e3 * steps
+            self.seconds = spent if math.isnan(self.seconds) else self.seconds + spent
             self._free.append((start, end))
         if not self._timing and self._free and self._steps_since + 1 >= self._every:
             self._timing = True

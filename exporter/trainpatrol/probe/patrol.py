@@ -203,7 +203,6 @@ class Patrol:
         clock = ComputeClock(model, self._device)
         if clock.active:
             self._recorder.compute_clock = clock
-            self._totals.compute = 0.0
 
     # --- what users read ------------------------------------------------------------------------
     @property
