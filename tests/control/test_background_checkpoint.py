@@ -148,25 +148,32 @@ def test_a_single_process_dcp_checkpoint_written_in_the_background_holds_the_sta
     fresh.close()
 
 
-def test_dcp_checkpoints_go_on_when_torchs_stager_closes_itself_after_each_stage(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.distributed.checkpoint.staging import DefaultStager
-
-    stage = DefaultStager._stage
-
-    def stage_then_close(self: Any, state_dict: Any, **kwargs: Any) -> Any:  # torch 2.11 (pytorch#183413)
-        staged = stage(self, state_dict, **kwargs)
-        self._state_dict_stager.close()
-        return staged
-    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+def test_dcp_checkpoints_stage_into_the_same_host_buffers_and_each_holds_its_own_step(tmp_path: Path) -> None:
     model, opt = mlp()
-    patrol = Patrol(model=model, optimizer=opt, config=config(tmp_path, "dcp-stager", guard_actions={},
-                                                              background_checkpoints=True, checkpoint_format="dcp",
-                                                              pause_timeout_seconds=5))  # a failed save pauses
+    cfg = config(tmp_path, "dcp-stager", guard_actions={}, background_checkpoints=True, checkpoint_format="dcp",
+                 pause_timeout_seconds=5)  # a failed save pauses; a stuck test stops
+    patrol = Patrol(model=model, optimizer=opt, config=cfg)
+    writer = patrol._control.executor._shard_writer
+    stage = writer.stage
+    buffers: list[set[int]] = []
+
+    def staged_pointers(state: Any, on_gpu: bool) -> Any:
+        staged = stage(state, on_gpu)
+        buffers.append({t.data_ptr() for t in staged["model"].values()})
+        return staged
+    writer.stage = staged_pointers  # type: ignore[method-assign]
     for step in (10, 20):
         train_mlp(patrol, model, opt, step)
         patrol.request("checkpoint", "test")
         patrol.boundary()
+        at_step = {k: v.clone() for k, v in model.state_dict().items()}
         patrol._control.executor.wait_for_write()
     assert [(a.outcome, a.step) for a in patrol.actions if a.action == "checkpoint"] == [("ok", 10), ("ok", 20)]
+    assert len(buffers) == 2 and buffers[0] == buffers[1]  # the second save copied into the first's buffers
     patrol.close()
+
+    model, opt = mlp(seed=7)
+    fresh = Patrol(model=model, optimizer=opt, config=config(tmp_path, "dcp-stager", checkpoint_format="dcp"))
+    assert fresh.restore("latest").step == 20
+    assert all(torch.equal(v, at_step[k]) for k, v in model.state_dict().items())
+    fresh.close()
