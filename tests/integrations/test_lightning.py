@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from framework_helpers import exposed, patrol_config
+from framework_helpers import exposed, patrol_config, run_value
 
 from servers import free_port, http_json, python_env, wait_for
 from trainpatrol import STOP_EXIT_CODE
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from lightning_tiny import RequestAt, Tiny, data, trainer  # noqa: E402
+from lightning_tiny import FEATURES, RequestAt, Tiny, data, trainer  # noqa: E402
 
 from trainpatrol.integrations.lightning import TrainPatrolCallback  # noqa: E402
 
@@ -46,6 +46,21 @@ def test_exported_values_equal_the_modules_own_records(tmp_path: Path, agent_url
     assert exposed(agent_url, "trainpatrol_loss", run) == module.losses[-1]
     assert exposed(agent_url, "trainpatrol_grad_norm", run) == module.grad_norms[-1]
     assert exposed(agent_url, "trainpatrol_learning_rate", run, 'param_group="0",') == module.learning_rates[-1]
+
+
+def test_the_modules_flops_per_batch_gives_the_run_its_flops_per_step(tmp_path: Path, agent_url: str) -> None:
+    from lightning.fabric.utilities import measure_flops
+
+    run = "pl-flops"
+    with torch.device("meta"):  # as Lightning's ThroughputMonitor documents it: counted on a meta-device copy
+        meta, x = Tiny(), torch.randn(8, FEATURES)
+    module = Tiny()
+    module.flops_per_batch = measure_flops(meta, lambda: meta.net(x), loss_fn=torch.Tensor.sum)
+    assert module.flops_per_batch > 0
+    cb = TrainPatrolCallback(patrol_config(tmp_path, agent_url, run))
+    t = trainer(tmp_path, [cb], max_steps=4, accumulate_grad_batches=2)
+    t.fit(module, train_dataloaders=data(n=512))
+    assert run_value(agent_url, "trainpatrol_run_model_flops_per_step", run) == 2 * module.flops_per_batch
 
 
 def test_pause_via_agent_blocks_until_resume(tmp_path: Path, agent_url: str) -> None:

@@ -10,7 +10,10 @@ it reads, all without a host-device sync of its own:
 - learning rates: every optimizer's param groups as the step used them (schedulers step later);
 - samples and tokens: the batch's first dimension (tokens: ``input_ids`` of a dict batch); loader wait:
   the time between the previous batch's end and ``on_train_batch_start``, where Lightning fetches;
-- validation loss: ``trainer.callback_metrics[val_loss_key]`` after each validation.
+- validation loss: ``trainer.callback_metrics[val_loss_key]`` after each validation;
+- model FLOPs for MFU: the LightningModule's ``flops_per_batch`` (as Lightning's ``ThroughputMonitor`` reads it,
+  typically set from ``lightning.fabric.utilities.measure_flops`` on a meta-device copy) times
+  ``accumulate_grad_batches``, unless the config gives ``flops_per_token`` or ``flops_per_step``.
 
 Actions: ``checkpoint`` writes Patrol's checkpoint and ``trainer.save_checkpoint`` (a resumable
 ``trainpatrol-step=N.ckpt`` beside ModelCheckpoint's); ``pause`` blocks in the callback until ``resume``
@@ -91,7 +94,10 @@ class TrainPatrolCallback(pl.Callback):  # type: ignore[misc,unused-ignore]  # A
             self.patrol = Patrol(model=pl_module, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                  config=self._config)
         assert self.patrol is not None
-        distributed = self.patrol._attach(trainer.global_step, pl_module, optimizer, scheduler)
+        # Lightning's convention (ThroughputMonitor): the module's flops_per_batch, forward and backward of a batch
+        per_batch = getattr(pl_module, "flops_per_batch", None)
+        per_step = float(per_batch) * trainer.accumulate_grad_batches if isinstance(per_batch, int | float) else 0.0
+        distributed = self.patrol._attach(trainer.global_step, pl_module, optimizer, scheduler, flops_per_step=per_step)
         if not self._owned and trainer.world_size > 1 and not distributed:
             log.warning("trainpatrol: this Patrol was built before torch.distributed was initialised, so ranks "
                         "will not agree on actions; give TrainPatrolCallback a PatrolConfig instead")

@@ -414,7 +414,7 @@ class Patrol:
 
     # --- framework hooks: only trainpatrol.integrations calls these ---------------------------
     def _attach(self, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                scheduler: Any, *, flops_per_token: float = 0.0) -> bool:
+                scheduler: Any, *, flops_per_token: float = 0.0, flops_per_step: float = 0.0) -> bool:
         """A framework callback takes over at its global ``step``: it fills in what this Patrol was built
         without (the model's FLOPs per token as the framework counts them, where the config gives none), calls
         ``boundary()`` itself after each optimizer step, and each update is judged from the gradients before it.
@@ -423,8 +423,8 @@ class Patrol:
             self._dtype_hook = self._see_compute_dtype(model)
         self._time_compute(model)
         report = self._report
-        if flops_per_token and not (report.flops_per_token or report.flops_per_step):
-            report.flops_per_token = flops_per_token
+        if not (report.flops_per_token or report.flops_per_step):
+            report.flops_per_token, report.flops_per_step = flops_per_token, flops_per_step
         self._model = self._model or model
         self._scheduler = self._scheduler or scheduler
         self._framework = self._control.boundary_driven = True
