@@ -8,6 +8,7 @@ form it saves and loads (the optimizer's lazy state is created first, so a fresh
 
 from __future__ import annotations
 
+import gc
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,9 @@ class BackgroundWriter:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+            # the pinned buffers are unpinned here, not by a garbage collection in a DataLoader worker forked
+            # later, where a CUDA call aborts the worker
+            gc.collect()
 
 
 def _host_stager(pinned: bool) -> Any:
