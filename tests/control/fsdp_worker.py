@@ -6,8 +6,10 @@ shards (a slow disk)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -19,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from trainpatrol import Patrol, PatrolConfig
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test dumps every thread's stack of a stuck rank
 
 
 def env_int(name: str) -> int:

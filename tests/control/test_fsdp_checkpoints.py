@@ -7,8 +7,10 @@ on (DCP's async_save), and the checkpoint holds that step's state."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,14 @@ def run(out: Path, world: int, ckpt: Path, record: str, **env: str) -> list[int]
         procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=e, stdout=log, stderr=subprocess.STDOUT))
     try:
         return [p.wait(timeout=240) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:  # every thread's stack of the ranks still running, into their logs
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        logs = "\n".join(f"--- rank {r} ---\n" + (out / f"{record}-{r}.log").read_text(errors="replace")[-4000:]
+                          for r in range(world))
+        raise AssertionError(f"{record}: ranks still running after 240 s\n{logs}") from None
     finally:
         for p in procs:
             if p.poll() is None:
