@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from trainpatrol import Patrol, PatrolConfig
-from trainpatrol.probe import device_values, guards, loader, readback, step_recorder, update_hooks
+from trainpatrol.probe import compute_clock, device_values, guards, loader, readback, step_recorder, update_hooks
 from trainpatrol.probe import patrol as patrol_module
 
 
@@ -213,6 +213,8 @@ class Split:
         "memory reads": [(step_recorder.StepRecorder, "read_memory")],
         "optimizer hooks": [(update_hooks.UpdateHooks, "_pre"), (update_hooks.UpdateHooks, "_post")],
         "boundary": [(patrol_module.Patrol, "boundary"), (patrol_module.Patrol, "_after_optimizer_step")],
+        "compute clock": [(compute_clock.ComputeClock, name) for name in ("_forward", "_backward_done", "step",
+                                                                          "collect")],
         "(the DataLoader itself)": [],
     }
 
