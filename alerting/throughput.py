@@ -35,8 +35,8 @@ def sm_clause(cfg: Config) -> str:
 
 def underused(cfg: Config, w: str) -> str:
     """Ranks whose GPU does little of the work it could over ``w``, each labelled with the ``measure`` it was judged
-    by: its model FLOPs utilisation where its run gives its FLOPs and the peak is known (NVML's utilisation reads
-    100 % for a launch-bound loop whose kernels keep a few SMs busy); else, with DCGM, the SM activity
+    by: its model FLOPs utilisation where its run gives its FLOPs and the peak is known (NVML's utilisation counts
+    any kernel running, however few SMs it keeps busy); else, with DCGM, the SM activity
     (``DCGM_FI_PROF_SM_ACTIVE``, where dcgm-exporter's profiling fields are on); else the share of time any kernel
     ran."""
     rank_on = rank_labels(cfg)
