@@ -149,13 +149,16 @@ def test_pinned_checkpoints_are_capped_and_the_newest_finite_one_stays(tmp_path:
     t = threading.Thread(target=lambda: result.append(run_until_stopped(
         lambda: train_mlp(patrol, model, opt, 10**6))), daemon=True)
     t.start()
-    for n in range(1, 5):  # four pauses, each resumed after some training, then a stop: five pinned checkpoints
-        wait_for(lambda n=n: patrol.step_count >= 10 * n, 30, what="training")
+    last = 0
+    for _ in range(4):  # four pauses, each resumed, then a stop: five pinned checkpoints at five steps
+        # each after some training since the last: one at the same step would be that checkpoint again
+        wait_for(lambda last=last: patrol.step_count >= last + 10, 30, what="training")
         patrol.request("pause", "the operator")
         wait_for(lambda: patrol.state == "paused", 30, what="paused")
+        last = patrol.step_count
         patrol.request("resume", "the operator")
         wait_for(lambda: patrol.state == "running", 30, what="resumed")
-    wait_for(lambda: patrol.step_count >= 50, 30, what="training")
+    wait_for(lambda: patrol.step_count >= last + 10, 30, what="training")
     patrol.request("stop", "test over")
     t.join(30)
     assert result == [STOP_EXIT_CODE]

@@ -1,7 +1,8 @@
 """A training process whose Patrol may start the embedded agent: ``embedded_run.py URL RUN WORKDIR STEPS IDLE``.
 
 Trains scripted steps of 20 ms on the CPU (a pause blocks in ``boundary``) and logs at INFO to stderr,
-so a test reads every warning a user would see. A ``stop`` command ends it with the stop exit code."""
+so a test reads every warning a user would see. A ``stop`` command ends it with the stop exit code; a
+file ``WORKDIR/finish`` ends it as its last step would, so a test decides when a run ends."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ def main(url: str, run: str, workdir: str, steps: int, idle: float) -> int:
     cfg = PatrolConfig(run=run, agent_url=url, embedded_agent=True, embedded_agent_idle_seconds=idle,
                        checkpoint_dir=str(Path(workdir) / "ckpt"), evidence_dir=str(Path(workdir) / "evidence"),
                        push_interval_seconds=0.2, pause_poll_seconds=0.05)
+    finish = Path(workdir) / "finish"
     with Patrol(config=cfg, device="cpu") as patrol:
         print(f"started {run}", flush=True)
         for _ in range(steps):
+            if finish.exists():
+                break
             patrol.boundary()  # blocks while paused; exits the process on stop
             patrol.step(torch.tensor(1.0), batch_size=8)
             time.sleep(0.02)

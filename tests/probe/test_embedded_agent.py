@@ -54,12 +54,16 @@ def push_trouble(log: Path) -> list[str]:
 
 def test_a_second_run_keeps_metrics_and_control_after_the_run_that_started_the_agent_ends(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    with training(tmp_path, url, "first", steps=150) as first:
+    # The first run ends only once the second pushes: a loaded machine may take longer than the idle
+    # time to start the second, and an agent nobody pushes to then rightly exits.
+    with training(tmp_path, url, "first", steps=100_000) as first:
         wait_for(lambda: run_state(url, "first") == "running", 60, what="first run pushing")
         with training(tmp_path, url, "second", steps=100_000) as second:
             wait_for(lambda: run_state(url, "second") == "running", 60, what="second run pushing")
+            (tmp_path / "first").mkdir(exist_ok=True)
+            (tmp_path / "first" / "finish").touch()
             assert first.wait(timeout=60) == 0
-            time.sleep(1.0)  # the old agent went down with the first run at this point
+            time.sleep(IDLE + 1.0)  # longer than the agent's idle time: only the second run keeps it up
             assert run_state(url, "first") == "closed"
             before = step_total(url, "second")
             wait_for(lambda: step_total(url, "second") > before, 10, what="second run's steps on /metrics")
