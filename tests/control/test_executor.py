@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trainpatrol.actions import STOP_EXIT_CODE
-from trainpatrol.control.checkpoint import Checkpointer
+from trainpatrol.control import state_file
+from trainpatrol.control.checkpoint import Checkpointer, temp_path
 from trainpatrol.control.commands import CommandBook
 from trainpatrol.control.coordinator import Agreement, Coordinator
 from trainpatrol.control.evidence_writer import EvidenceWriter
@@ -63,13 +64,8 @@ class Training:
 
 
 class Rig:
-    def __init__(self, tmp: Path, rounds: list[dict[str, int]] | None = None, save_fails: bool = False) -> None:
-        def save(target: Path, state: dict[str, Any]) -> None:
-            if save_fails:
-                raise OSError("disk full")
-            torch.save(state, target / "user-state.pt")
-
-        self.checkpointer = Checkpointer(tmp / "ckpt", save_fn=save)
+    def __init__(self, tmp: Path, rounds: list[dict[str, int]] | None = None) -> None:
+        self.checkpointer = Checkpointer(tmp / "ckpt")
         self.commands = CommandBook("r", 0.0, on_request=lambda: None)
         self.record, self.evidence, self.announced = RunRecord(), Evidence(tmp), []  # type: ignore[var-annotated]
         self.rearmed = 0
@@ -83,6 +79,12 @@ class Rig:
 
     def _rearm(self) -> None:
         self.rearmed += 1
+
+    def full_disk_at(self, step: int) -> None:
+        """The state written at ``step`` meets a full disk: its temporary file is a link to /dev/full."""
+        target = self.checkpointer.path_for(step)
+        target.mkdir(parents=True)
+        temp_path(target / state_file.NAME).symlink_to("/dev/full")
 
     def agree(self, step: int, **commands: int) -> None:
         for action, cid in commands.items():
@@ -121,11 +123,12 @@ def test_a_pause_waits_until_resume_then_runs_with_guards_rearmed(tmp_path: Path
 
 
 def test_a_failed_save_leaves_the_run_paused_and_records_failed(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, rounds=[{"resume": 2}], save_fails=True)
+    rig = Rig(tmp_path, rounds=[{"resume": 2}])
+    rig.full_disk_at(9)
     rig.agree(9, checkpoint=1)
     assert rig.outcomes() == [("checkpoint", "failed", 9), ("resume", "ok", 9)]
     assert rig.announced[0] == "paused" and rig.record.checkpoint_failures == 1
-    assert "disk full" in rig.record.actions[0].detail and rig.record.last_checkpoint == ""
+    assert "No space left on device" in rig.record.actions[0].detail and rig.record.last_checkpoint == ""
 
 
 def test_stop_checkpoints_then_exits_with_the_documented_code(tmp_path: Path) -> None:
@@ -164,7 +167,7 @@ def test_a_command_already_done_is_not_carried_out_again(tmp_path: Path) -> None
 def test_a_stop_whose_save_fails_still_stops_and_says_nothing_was_saved(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.agree(3, checkpoint=1)
-    rig.checkpointer.save_fn = Rig(tmp_path / "other", save_fails=True).checkpointer.save_fn
+    rig.full_disk_at(9)
     with pytest.raises(SystemExit) as exc:
         rig.agree(9, stop=2)
     assert exc.value.code == STOP_EXIT_CODE

@@ -185,26 +185,17 @@ def test_pause_timeout_turns_into_stop(tmp_path: Path) -> None:
     patrol.close()
 
 
-def test_user_save_fn_and_extra_state_round_trip(tmp_path: Path) -> None:
-    saved: list[Path] = []
-
-    def save_fn(directory: Path, state: dict[str, Any]) -> None:
-        saved.append(directory)
-        torch.save({"custom": True, **state}, directory / "custom.pt")
-
+def test_extra_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     extra = {"epoch": 3, "sampler_offset": 1234}
-    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn",
-                         patrol_args={"extra_state": lambda: dict(extra), "save_fn": save_fn})
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "extra", patrol_args={"extra_state": lambda: dict(extra)})
     train(patrol, model, 4, [])
     patrol.request("checkpoint", "test")
     train(patrol, model, 5, [])
     patrol.close()
-    assert saved == [tmp_path / "ckpt" / "step-00000004"]
-    assert torch.load(saved[0] / "custom.pt", weights_only=False)["custom"] is True
-    assert not (saved[0] / "state.bin").exists()  # the user's saver replaces the default one
+    saved = tmp_path / "ckpt" / "step-00000004"
     restored: list[dict[str, Any]] = []
-    patrol, model = make(tmp_path, "http://127.0.0.1:9", "savefn", patrol_args={"load_extra_state": restored.append})
-    assert patrol.restore(saved[0]).step == 4
+    patrol, model = make(tmp_path, "http://127.0.0.1:9", "extra", patrol_args={"load_extra_state": restored.append})
+    assert patrol.restore(saved).step == 4
     assert restored == [extra]
     patrol.close()
 

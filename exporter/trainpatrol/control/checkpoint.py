@@ -43,10 +43,6 @@ STALE_TEMP_SECONDS = 3600.0
 """A temporary file older than this is from a write that died, wherever it ran."""
 NONFINITE_NAMES_KEPT = 20
 
-SaveFn = Callable[[Path, dict[str, Any]], None]
-"""A user-supplied saver (e.g. torch.distributed.checkpoint for FSDP): gets the directory and the
-default state; it must write atomically itself."""
-
 
 def temp_path(path: Path) -> Path:
     """Where ``atomic_write`` writes ``path`` first: named by host and pid, so a dead writer's file is known."""
@@ -241,12 +237,10 @@ def size_on_disk(path: Path) -> int:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, *, keep_last: int = 3, keep_pinned: int = 8,
-                 save_fn: SaveFn | None = None) -> None:
+    def __init__(self, directory: str | Path, *, keep_last: int = 3, keep_pinned: int = 8) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.keep_pinned = keep_pinned
-        self.save_fn = save_fn
         for tmp in remove_stale_temp_files(self.directory):
             log.warning("trainpatrol: removed %s, left by a checkpoint write that died", tmp)
 
@@ -284,10 +278,7 @@ class Checkpointer:
         target.mkdir(parents=True, exist_ok=True)
         try:
             if replicated is not None:
-                if self.save_fn is not None:
-                    self.save_fn(target, replicated)
-                else:
-                    write_state(target, replicated)
+                write_state(target, replicated)
             atomic_write(target / f"rank-{rank:05d}.pt", lambda f: torch.save(per_rank, f))
         except BaseException:
             with contextlib.suppress(OSError):
@@ -299,7 +290,7 @@ class Checkpointer:
         """After a checkpoint that failed on some rank: remove this rank's share of the step's directory,
         and the directory once empty, unless it is complete (``meta.json``: an older checkpoint of
         the same step, whose files the failed write left as they were). Rank 0 also removes the
-        replicated state and, once every rank discarded (the caller's barrier), what a ``save_fn`` left."""
+        replicated state."""
         target = self.path_for(step)
         if (target / "meta.json").exists():
             return

@@ -123,8 +123,7 @@ class Executor:
             # only once its checkpoint is durable
             ok, path, detail, facts = self._checkpoint(step, pinned=action in ("pause", "stop"), reason=trigger,
                                                        write=f"{int(agreed.clock)}-{cid}",
-                                                       background=action == "checkpoint" and f.background_saves
-                                                       and self.checkpointer.save_fn is None)
+                                                       background=action == "checkpoint" and f.background_saves)
             if not ok and action == "stop":
                 last = self.checkpointer.latest()
                 detail += (f"; stopping all the same: nothing was saved at step {step}; the last complete "

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..actions import ACTIONS
-from ..control.checkpoint import Checkpointer, Restored, SaveFn
+from ..control.checkpoint import Checkpointer, Restored
 from ..control.commands import CommandBook
 from ..control.coordinator import Coordinator
 from ..control.evidence import fetch_nvml, set_recording
@@ -73,8 +73,6 @@ class Patrol:
         config: Everything else (``PatrolConfig``). Default: ``PatrolConfig()``, filled from the environment.
         extra_state: Returns this rank's own state to checkpoint (counters, a sampler's offset).
         load_extra_state: Takes that state back in ``restore``.
-        save_fn: ``save_fn(directory, state)`` writes the model/optimizer/scheduler/scaler state in place of
-            ``state.bin`` (rank 0 only); ``restore`` does not read it back.
         **overrides: ``PatrolConfig`` fields, set over ``config``.
 
     Raises:
@@ -114,8 +112,7 @@ class Patrol:
                  optimizer: torch.optim.Optimizer | None = None, *, scheduler: Any = None, scaler: Any = None,
                  device: torch.device | str | None = None, config: PatrolConfig | None = None,
                  extra_state: Callable[[], dict[str, Any]] | None = None,
-                 load_extra_state: Callable[[dict[str, Any]], None] | None = None,
-                 save_fn: SaveFn | None = None, **overrides: Any) -> None:
+                 load_extra_state: Callable[[dict[str, Any]], None] | None = None, **overrides: Any) -> None:
         cfg = replace(config or PatrolConfig(), **overrides)
         if run is not None:
             cfg.run = run
@@ -145,7 +142,7 @@ class Patrol:
         self._recorder.scaler = scaler
         self.optimizer = optimizer
         self._checkpointer = Checkpointer(cfg.checkpoint_dir, keep_last=cfg.keep_checkpoints,
-                                          keep_pinned=cfg.keep_pinned_checkpoints, save_fn=save_fn)
+                                          keep_pinned=cfg.keep_pinned_checkpoints)
         self._training = TrainingState(self._stateful, self._loader_tracker, extra_state, load_extra_state,
                                        checkpoint_format=cfg.checkpoint_format)
         self._evidence = EvidenceWriter(cfg.evidence_dir, identity.rank, self._device, history=self._history.dump,
