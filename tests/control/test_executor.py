@@ -150,11 +150,36 @@ def test_a_stop_asked_for_while_paused_ends_the_pause(tmp_path: Path) -> None:
 
 def test_the_strongest_action_covers_the_rest_and_empty_cache_runs_first(tmp_path: Path) -> None:
     rig = Rig(tmp_path, rounds=[{"resume": 6}])
-    rig.agree(10, resume=1, empty_cache=2, capture=3, checkpoint=4, pause=5)
+    rig.agree(10, empty_cache=2, capture=3, checkpoint=4, pause=5)
     assert rig.outcomes() == [
-        ("resume", "skipped", 10), ("empty_cache", "ok", 10), ("capture", "skipped", 10),
+        ("empty_cache", "ok", 10), ("capture", "skipped", 10),
         ("checkpoint", "skipped", 10), ("pause", "ok", 10), ("resume", "ok", 10)]
-    assert "covered by pause" in rig.record.actions[2].detail
+    assert "covered by pause" in rig.record.actions[1].detail
+
+
+def test_a_resume_alone_is_skipped_while_the_run_is_running(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.agree(3, resume=1)
+    assert rig.outcomes() == [("resume", "skipped", 3)] and rig.record.state == "running"
+    assert rig.record.actions[0].detail == "run was not paused"
+
+
+def test_a_resume_agreed_at_the_step_of_its_pause_resumes_once_the_pause_is_saved(tmp_path: Path) -> None:
+    # an operator's pause and resume that reach the ranks in one control round (a loaded host, a
+    # long step): the pause is carried out, then the resume; the run does not wait for a second one
+    rig = Rig(tmp_path, rounds=[{"stop": 9}])  # what a run left paused would meet next
+    rig.agree(10, pause=5, resume=6)
+    assert rig.outcomes() == [("pause", "ok", 10), ("resume", "ok", 10)]
+    assert rig.announced == ["paused", "running"] and rig.record.state == "running" and rig.rearmed == 1
+    assert (tmp_path / "ckpt" / "step-00000010" / "meta.json").exists()
+
+
+def test_a_stop_agreed_with_a_pause_and_a_resume_stops(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    with pytest.raises(SystemExit):
+        rig.agree(7, pause=5, resume=6, stop=8)
+    assert rig.outcomes() == [("resume", "skipped", 7), ("pause", "skipped", 7), ("stop", "ok", 7)]
+    assert rig.record.actions[0].detail == "covered by stop at the same step"
 
 
 def test_a_command_already_done_is_not_carried_out_again(tmp_path: Path) -> None:

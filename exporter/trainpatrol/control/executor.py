@@ -92,8 +92,12 @@ class Executor:
         self.commands.mark_done(agreed.commands.values())
         if not commands:
             return
-        if "resume" in commands:
-            self.record.action(commands.pop("resume"), "resume", "skipped", agreed.step, "run was not paused")
+        # A resume agreed with a pause came after it (a running run has nothing to resume): the pause is
+        # carried out, then the resume, so an operator's quick pause and resume never leaves the run paused.
+        resume = commands.pop("resume", None)
+        if resume is not None and "pause" not in commands:
+            self.record.action(resume, "resume", "skipped", agreed.step, "run was not paused")
+            resume = None
         if "empty_cache" in commands and len(commands) > 1:
             # nothing else releases cached blocks, so it runs too, before the stronger action
             cid = commands.pop("empty_cache")
@@ -101,6 +105,9 @@ class Executor:
         if not commands:
             return
         primary = max(commands, key=PRIORITY.__getitem__)
+        if resume is not None and primary != "pause":
+            self.record.action(resume, "resume", "skipped", agreed.step, f"covered by {primary} at the same step")
+            resume = None
         for action, cid in commands.items():
             if action != primary:  # a checkpoint or capture is part of what the stronger action writes
                 self.record.action(cid, action, "skipped", agreed.step, f"covered by {primary} at the same step")
@@ -109,7 +116,7 @@ class Executor:
         if primary == "stop":  # as the operator asked, also when its checkpoint failed (its detail says so)
             self._stop()
         if primary == "pause" or (not ok and primary == "checkpoint"):
-            self._pause(agreed)
+            self._pause(agreed, resume)
 
     # --- one action ---------------------------------------------------------------------------
     def _act(self, action: str, cid: int, agreed: Agreement, trigger: dict[str, Any]) -> bool:
@@ -330,12 +337,15 @@ class Executor:
         return self._known.get(cid) or {"id": cid, "action": action, "source": "agreed with another rank"}
 
     # --- pause and stop -----------------------------------------------------------------------
-    def _pause(self, agreed: Agreement) -> None:
+    def _pause(self, agreed: Agreement, resume: int | None = None) -> None:
+        """Wait, outside any collective but the control rounds, until a resume (``resume``: one already agreed)."""
         run, record = self.facts.run, self.record
         record.state = "paused"
         self._announce()
         log.warning("trainpatrol: run %s paused at step %d; resume with `trainpatrol resume %s`",
                     run, agreed.step, run)
+        if resume is not None:
+            return self._resume(resume, agreed.step)
         started = time.monotonic()
         timeout = self.facts.pause_timeout_seconds
         while True:
@@ -353,16 +363,18 @@ class Executor:
                 if action in fresh:
                     self._act(action, fresh[action], now, self._trigger(fresh[action], action))
             if "resume" in fresh:
-                # a person resumed: a fault that persists, or comes back, must stop the run again
-                self._rearm_guards()
-                acting = ", ".join(f"{g} -> {a}" for g, a in self.facts.guard_actions.items()) or "none"
-                record.action(fresh["resume"], "resume", "ok", agreed.step,
-                              f"guards re-armed; if the fault persists they act again ({acting})")
-                record.state = "running"
-                self._announce()
-                log.warning("trainpatrol: run %s resumed at step %d; guards re-armed: if the fault persists they act "
-                            "again (%s)", run, agreed.step, acting)
-                return
+                return self._resume(fresh["resume"], agreed.step)
+
+    def _resume(self, cid: int, step: int) -> None:
+        # a person resumed: a fault that persists, or comes back, must stop the run again
+        self._rearm_guards()
+        acting = ", ".join(f"{g} -> {a}" for g, a in self.facts.guard_actions.items()) or "none"
+        self.record.action(cid, "resume", "ok", step,
+                           f"guards re-armed; if the fault persists they act again ({acting})")
+        self.record.state = "running"
+        self._announce()
+        log.warning("trainpatrol: run %s resumed at step %d; guards re-armed: if the fault persists they act "
+                    "again (%s)", self.facts.run, step, acting)
 
     def _stop(self) -> None:
         self.wait()  # the process exits next
