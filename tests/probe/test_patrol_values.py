@@ -88,7 +88,8 @@ def test_foreach_grad_norm_matches_reference(tmp_path: Path) -> None:
     loss = model[1](model[0](x).double()).sum()
     loss.backward()
     reference = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()]))
-    cfg = PatrolConfig(run="gn", agent_url="http://127.0.0.1:9", embedded_agent=False, guard_actions={},
+    cfg = PatrolConfig(run="gn", checkpoint_dir=str(tmp_path), agent_url="http://127.0.0.1:9",
+                       embedded_agent=False, guard_actions={},
                        push_interval_seconds=3600)
     patrol = Patrol(model=model, config=cfg)
     patrol.step(loss)
@@ -99,7 +100,8 @@ def test_foreach_grad_norm_matches_reference(tmp_path: Path) -> None:
 def test_learning_rate_per_param_group_and_validation_loss(tmp_path: Path) -> None:
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     opt = torch.optim.SGD([{"params": a.parameters(), "lr": 0.5}, {"params": b.parameters(), "lr": 0.25}])
-    cfg = PatrolConfig(run="lr", agent_url="http://127.0.0.1:9", embedded_agent=False, push_interval_seconds=3600)
+    cfg = PatrolConfig(run="lr", checkpoint_dir=str(tmp_path), agent_url="http://127.0.0.1:9",
+                       embedded_agent=False, push_interval_seconds=3600)
     patrol = Patrol(optimizer=opt, config=cfg, device="cpu")
     patrol.step(torch.tensor(1.0))
     patrol.evaluate(torch.tensor(0.75))
@@ -114,7 +116,8 @@ def test_amp_skipped_steps_and_loss_scale(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    cfg = PatrolConfig(run="amp", agent_url="http://127.0.0.1:9", embedded_agent=False, guard_actions={},
+    cfg = PatrolConfig(run="amp", checkpoint_dir=str(tmp_path), agent_url="http://127.0.0.1:9",
+                       embedded_agent=False, guard_actions={},
                        push_interval_seconds=3600)
     patrol = Patrol(model=model, optimizer=opt, scaler=scaler, config=cfg)
     for i in range(4):
