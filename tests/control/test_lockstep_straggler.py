@@ -48,7 +48,9 @@ def test_a_rank_30_percent_slower_in_its_forward_is_named_by_its_compute_time(tm
             step = ratios(prom, STEP_RATIO)
             compute = ratios(prom, COMPUTE_RATIO)
             assert max(step.values()) < 1.1, step  # the all-reduce evens step times out
-            assert compute["1"] > 1.2 and all(v < 1.1 for r, v in compute.items() if r != "1"), compute
+            # the slow rank passes the rule's 1.2; the others stay below it (a loaded 2-core runner lets a
+            # healthy rank's host-clocked compute time drift up to about 1.14)
+            assert compute["1"] > 1.2 and all(v < 1.2 for r, v in compute.items() if r != "1"), compute
         finally:
             job.kill()
             job.wait()
