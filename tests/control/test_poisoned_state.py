@@ -129,7 +129,7 @@ def test_repeated_pauses_of_a_nonfinite_run_save_its_state_once(tmp_path: Path) 
     wait_for(lambda: [a.action for a in patrol.actions].count("pause") == 7 and patrol.state == "paused", 30,
              what="pause 7")
     patrol.request("stop", "test over")
-    t.join(30)
+    t.join(120)  # a stop waits for the eight reports, each rendered by a child process in turn
     assert result == [STOP_EXIT_CODE]
     patrol.close()
     ckpt = Checkpointer(tmp_path / "ckpt")
@@ -160,7 +160,7 @@ def test_pinned_checkpoints_are_capped_and_the_newest_finite_one_stays(tmp_path:
         wait_for(lambda: patrol.state == "running", 30, what="resumed")
     wait_for(lambda: patrol.step_count >= last + 10, 30, what="training")
     patrol.request("stop", "test over")
-    t.join(30)
+    t.join(120)  # a stop waits for every report, each rendered by a child process in turn
     assert result == [STOP_EXIT_CODE]
     patrol.close()
     pinned = [p.name for p in Checkpointer(tmp_path / "ckpt").complete() if meta(p)["pinned"]]

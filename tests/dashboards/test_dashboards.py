@@ -739,8 +739,15 @@ class Fleet:
     def _push(self, seq: int, rank: int) -> None:
         body = json.dumps(fleet_snapshot(rank, seq, time.time() - self.t0, self.uuids[rank])).encode()
         conn = self._connection(self.ports[0 if rank < GPUS_PER_NODE else 1])
-        conn.request("POST", "/v1/push", body, {"Content-Type": "application/json"})
-        reply = conn.getresponse()
+        try:
+            conn.request("POST", "/v1/push", body, {"Content-Type": "application/json"})
+            reply = conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # the agent closed the kept-alive connection (its idle timeout, on a loaded runner): once more on a
+            # new one, as Patrol's publisher and every HTTP client does
+            conn.close()
+            conn.request("POST", "/v1/push", body, {"Content-Type": "application/json"})
+            reply = conn.getresponse()
         assert reply.status == 200, (rank, reply.status, reply.read()[:500])
         reply.read()
 
