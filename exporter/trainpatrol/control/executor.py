@@ -345,7 +345,8 @@ class Executor:
         log.warning("trainpatrol: run %s paused at step %d; resume with `trainpatrol resume %s`",
                     run, agreed.step, run)
         if resume is not None:
-            return self._resume(resume, agreed.step)
+            self._resume(resume, agreed.step)
+            return
         started = time.monotonic()
         timeout = self.facts.pause_timeout_seconds
         while True:
@@ -363,7 +364,8 @@ class Executor:
                 if action in fresh:
                     self._act(action, fresh[action], now, self._trigger(fresh[action], action))
             if "resume" in fresh:
-                return self._resume(fresh["resume"], agreed.step)
+                self._resume(fresh["resume"], agreed.step)
+                return
 
     def _resume(self, cid: int, step: int) -> None:
         # a person resumed: a fault that persists, or comes back, must stop the run again
