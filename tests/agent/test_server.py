@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from servers import free_port, python_env, wait_for
+from trainpatrol import handshake
 from trainpatrol.agent.server import stop_when_idle
 
 
@@ -82,4 +83,28 @@ def test_agent_on_a_taken_port_fails_as_uvicorn_run_does(tmp_path: Path) -> None
         result = subprocess.run([sys.executable, "-c", code, str(port)], capture_output=True, text=True, timeout=60,
                                 env=python_env())
     assert result.returncode == 3
-    assert "address already in use" in result.stderr
+    assert "address already in use" in result.stderr.lower()
+
+
+def test_an_agent_answers_nothing_before_its_users_ranks_can_check_it(tmp_path: Path) -> None:
+    """A rank that starts with its agent (a sidecar, an embedded agent) pushes as soon as the port answers: the
+    key it checks the agent with must be there by then, or its first pushes, and a short run's final one, fail."""
+    port = free_port()
+    with open(tmp_path / "agent.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port",
+                                 str(port), "--no-nvml"], stdout=log, stderr=subprocess.STDOUT, env=python_env())
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5):
+                        break  # the first answer
+                except OSError:
+                    time.sleep(0.001)
+            key = handshake.read_key(port)
+            conn = handshake.connect("127.0.0.1", port, "", 5.0)  # raises AgentNotVerified without the key
+            conn.close()
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    assert len(key) >= 32

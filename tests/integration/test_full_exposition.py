@@ -32,7 +32,8 @@ def test_a_full_exposition_of_8_gpus_and_3_ranks_passes_promtool(tmp_path: Path,
         body = wait_for(lambda: b if (b := http_get(url + "/metrics")).count(b"trainpatrol_gpu_power_watts{") == 8
                         else None, 20, what="an NVML sample of 8 GPUs")
     assert [body.count(f'trainpatrol_step_total{{rank="{r}",run="full"}} 10.0\n'.encode()) for r in range(RANKS)] \
-        == [1] * RANKS
+        == [1] * RANKS, [ln for ln in body.decode().splitlines() if ln.startswith(("trainpatrol_step_total{",
+                                                                                     "trainpatrol_pushes_total{"))]
     assert body.count(b'trainpatrol_collector_success{collector="nvml"} 1.0\n') == 1
     assert b"trainpatrol_gpu_pcie_throughput_bytes_per_second{" in body
     assert PROMTOOL is not None

@@ -81,16 +81,23 @@ def serve(config: AgentConfig) -> None:
                                                h11_max_incomplete_event_size=config.max_header_bytes,
                                                timeout_keep_alive=int(config.keep_alive_seconds) or 1,
                                                timeout_graceful_shutdown=2))
+        # The port is held (listen: a second agent's listen fails, so it cannot overwrite this one's key) before the
+        # key is written, and the key before anything is served: a rank that reaches the agent finds its key.
+        sock = server.config.bind_socket()  # exits as uvicorn.run does when the port is taken
+        try:
+            sock.listen(server.config.backlog)
+        except OSError as exc:  # another agent bound the same port in the same instant, and listened first
+            log.error("%s", exc)
+            raise SystemExit(STARTUP_FAILURE) from exc
         if is_loopback(config.host):  # the user's own ranks check this agent with its key (trainpatrol.handshake)
-            threading.Thread(target=publish_key, args=(server, config.port, agent.identity_key, done),
-                             name="trainpatrol-key", daemon=True).start()
+            handshake.write_key(config.port, agent.identity_key)
         if config.exit_when_idle_seconds:
             log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
             threading.Thread(target=stop_when_idle, args=(server, agent.idle_for, config.exit_when_idle_seconds, done),
                              name="trainpatrol-idle", daemon=True).start()
         with contextlib.suppress(KeyboardInterrupt):
-            server.run()
-        if not server.started:  # the port was taken, say: fail as uvicorn.run does
+            server.run(sockets=[sock])
+        if not server.started:  # the application did not start: fail as uvicorn.run does
             raise SystemExit(STARTUP_FAILURE)
     finally:
         done.set()
@@ -98,15 +105,6 @@ def serve(config: AgentConfig) -> None:
         if agent.nvml is not None:
             agent.nvml.stop()
         agent.peers.close()
-
-
-def publish_key(server: uvicorn.Server, port: int, key: str, done: threading.Event) -> None:
-    """Writes the agent's key to this user's key file once the server holds the port: never before, so
-    an agent that could not bind (the port is taken) leaves the key of the one that did."""
-    while not server.started:
-        if done.wait(0.02):
-            return
-    handshake.write_key(port, key)
 
 
 def stop_when_idle(server: uvicorn.Server, idle_for: Callable[[], float], seconds: float,
