@@ -49,10 +49,11 @@ def alerts_of_the_run(prom: str, since: float) -> dict[str, set[tuple[str, str]]
 def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_reduce(tmp_path: Path) -> None:
     with agent(tmp_path) as url, prometheus(tmp_path, [url.removeprefix("http://")], [RULES]) as prom:
         since = time.time()
-        # each forward 30 ms: compute times as even as a real lock-step job's, not the scheduler noise of a 1 ms MLP
-        # on 4 processes over 2 cores (which the fast profile's Straggler, for: 0s, reads as stragglers)
+        # each forward 100 ms: compute times as even as a real lock-step job's, not the scheduler noise of a 1 ms MLP
+        # on 4 processes over 2 cores, which the fast profile's Straggler (for: 0s, over the few steps of a young run)
+        # reads as stragglers (at 30 ms a loaded runner once put healthy rank 0 past its 1.2)
         job = torchrun(tmp_path, url, STEPS="40", HANG_RANK="2", HANG_AT="30", HANG_SECONDS="30",
-                       FORWARD_SECONDS="0.03")
+                       FORWARD_SECONDS="0.1")
         seen: dict[int, int] = {}
         try:
             def all_stalled() -> bool:
