@@ -48,7 +48,7 @@ def test_the_idle_watcher_ends_with_the_server_without_asking_it_anything() -> N
     assert clock.waits == [10.05]
 
 
-def test_sigterm_stops_the_agent_at_once_as_uvicorn_run_does(tmp_path: Path) -> None:
+def test_sigterm_stops_the_agent_at_once_as_uvicorn_run_does_and_removes_its_key(tmp_path: Path) -> None:
     port = free_port()
     log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1", "--port",
@@ -61,6 +61,7 @@ def test_sigterm_stops_the_agent_at_once_as_uvicorn_run_does(tmp_path: Path) -> 
         proc.wait(timeout=10)
         assert time.monotonic() - t0 < 1.0
         assert proc.returncode == -signal.SIGTERM  # uvicorn re-raises the signal it handled
+        assert not handshake.key_path(port).exists()  # and the agent cleaned up first: its key is gone
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -8,9 +8,10 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -74,37 +75,65 @@ def serve(config: AgentConfig) -> None:
     limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds)
     log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
     done = threading.Event()
-    try:
-        protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
-        server = uvicorn.Server(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
-                                               ws="none", log_level=config.log_level, access_log=False,
-                                               h11_max_incomplete_event_size=config.max_header_bytes,
-                                               timeout_keep_alive=int(config.keep_alive_seconds) or 1,
-                                               timeout_graceful_shutdown=2))
-        # The port is held (listen: a second agent's listen fails, so it cannot overwrite this one's key) before the
-        # key is written, and the key before anything is served: a rank that reaches the agent finds its key.
-        sock = server.config.bind_socket()  # exits as uvicorn.run does when the port is taken
+    with _ends_by_sigterm_after_cleanup():
         try:
-            sock.listen(server.config.backlog)
-        except OSError as exc:  # another agent bound the same port in the same instant, and listened first
-            log.error("%s", exc)
-            raise SystemExit(STARTUP_FAILURE) from exc
-        if is_loopback(config.host):  # the user's own ranks check this agent with its key (trainpatrol.handshake)
-            handshake.write_key(config.port, agent.identity_key)
-        if config.exit_when_idle_seconds:
-            log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
-            threading.Thread(target=stop_when_idle, args=(server, agent.idle_for, config.exit_when_idle_seconds, done),
-                             name="trainpatrol-idle", daemon=True).start()
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run(sockets=[sock])
-        if not server.started:  # the application did not start: fail as uvicorn.run does
-            raise SystemExit(STARTUP_FAILURE)
+            protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
+            server = uvicorn.Server(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
+                                                   ws="none", log_level=config.log_level, access_log=False,
+                                                   h11_max_incomplete_event_size=config.max_header_bytes,
+                                                   timeout_keep_alive=int(config.keep_alive_seconds) or 1,
+                                                   timeout_graceful_shutdown=2))
+            # The port is held (listen: a second agent's listen fails, so it cannot overwrite this one's key)
+            # before the key is written, and the key before anything is served: a rank that reaches the agent
+            # finds its key.
+            sock = server.config.bind_socket()  # exits as uvicorn.run does when the port is taken
+            try:
+                sock.listen(server.config.backlog)
+            except OSError as exc:  # another agent bound the same port in the same instant, and listened first
+                log.error("%s", exc)
+                raise SystemExit(STARTUP_FAILURE) from exc
+            if is_loopback(config.host):  # the user's own ranks check this agent with its key (trainpatrol.handshake)
+                handshake.write_key(config.port, agent.identity_key)
+            if config.exit_when_idle_seconds:
+                log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
+                threading.Thread(target=stop_when_idle, name="trainpatrol-idle", daemon=True,
+                                 args=(server, agent.idle_for, config.exit_when_idle_seconds, done)).start()
+            with contextlib.suppress(KeyboardInterrupt):
+                server.run(sockets=[sock])
+            if not server.started:  # the application did not start: fail as uvicorn.run does
+                raise SystemExit(STARTUP_FAILURE)
+        finally:
+            done.set()
+            handshake.remove_key(config.port, agent.identity_key)
+            if agent.nvml is not None:
+                agent.nvml.stop()
+            agent.peers.close()
+
+
+class _Terminated(BaseException):
+    """SIGTERM, handed back by uvicorn once it has shut down."""
+
+
+@contextlib.contextmanager
+def _ends_by_sigterm_after_cleanup() -> Iterator[None]:
+    """uvicorn re-raises the SIGTERM it handled once it has shut down; under the default handler that ends the
+    process at once, before the ``finally`` blocks inside (the key file stayed). Here the signal unwinds them
+    first, and the process then ends by it all the same, as ``uvicorn.run`` does."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread alone
+        yield
+        return
+
+    def unwind(_signum: int, _frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
     finally:
-        done.set()
-        handshake.remove_key(config.port, agent.identity_key)
-        if agent.nvml is not None:
-            agent.nvml.stop()
-        agent.peers.close()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop_when_idle(server: uvicorn.Server, idle_for: Callable[[], float], seconds: float,
