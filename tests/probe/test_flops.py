@@ -63,7 +63,6 @@ def test_the_agent_serves_the_runs_flops_and_peak_once_from_the_ranks_pushes(
                 peak_flops=5e12 if rank == 0 else 4e12))
             ranks.append((patrol, model))
         try:
-            assert run_series(http_get(f"{url}/metrics").decode()) == {}
             for patrol, model in ranks:
                 with torch.autocast("cpu", dtype=torch.bfloat16):  # the first forward: under autocast, in bf16
                     loss = model(torch.randn(4, 16)).float().pow(2).mean()
