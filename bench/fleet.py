@@ -39,6 +39,7 @@ firing ``ALERTS`` series naming it in Prometheus and (c) the first time ``--outl
 when the rules have none). Each also says whether it named the rank before the fault.
 
 ``--ranks 1024,4096`` runs each size in turn, each with fresh agents, Prometheus and Alertmanager.
+Prometheus inherits the environment: ``GOGC=75`` runs it as Prometheus 2.53 and later run by default.
 """
 
 from __future__ import annotations
@@ -961,6 +962,7 @@ def main() -> int:
                   "samples_per_push": replay.samples,
                   "push_bytes": len(json.dumps(RankSim(replay, [replay.track(1.0)], 0, 1, time.time() - 60,
                                                        random.Random(0)).snapshot())),
+                  "prometheus_gogc": os.environ.get("GOGC") or "unset: Go's default, 100 (75 from Prometheus 2.53)",
                   "pushers": settings.pushers, "straggler_step_time_factor": STRAGGLER_FACTOR,
                   "rank_step_time_jitter": RANK_JITTER},
         "results": results,
