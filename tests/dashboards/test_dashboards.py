@@ -424,8 +424,7 @@ def _scraped_and_evaluated_after(prom: str, moment: float) -> float:
         evaluated = [_unix(g["lastEvaluation"]) for g in groups]
         ok = bool(scraped >= moment and evaluated and all(t >= moment for t in evaluated))
         return max([scraped, *evaluated]) if ok else None
-    latest: float = wait_for(done, 30, what="scrapes and rule evaluations after the run")
-    return latest
+    return float(wait_for(done, 30, what="scrapes and rule evaluations after the run"))
 
 
 def _unix(rfc3339: str) -> float:

@@ -62,54 +62,6 @@ def build_agent(config: AgentConfig) -> Agent:
     return agent
 
 
-def serve(config: AgentConfig) -> None:
-    agent = build_agent(config)
-    if agent.nvml is not None:
-        agent.nvml.start()
-    # Every push allocates thousands of short-lived objects, and a full collection over the startup's
-    # own (FastAPI, pydantic schemas, the catalogue) stalls scrapes (bench/scrape.py's p99): keep those
-    # out of collections for good, and collect young objects less often.
-    gc.freeze()
-    gc.set_threshold(10_000, 50, 100)
-    log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)
-    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds)
-    log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
-    done = threading.Event()
-    with _ends_by_sigterm_after_cleanup():
-        try:
-            protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
-            server = uvicorn.Server(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
-                                                   ws="none", log_level=config.log_level, access_log=False,
-                                                   h11_max_incomplete_event_size=config.max_header_bytes,
-                                                   timeout_keep_alive=int(config.keep_alive_seconds) or 1,
-                                                   timeout_graceful_shutdown=2))
-            # The port is held (listen: a second agent's listen fails, so it cannot overwrite this one's key)
-            # before the key is written, and the key before anything is served: a rank that reaches the agent
-            # finds its key.
-            sock = server.config.bind_socket()  # exits as uvicorn.run does when the port is taken
-            try:
-                sock.listen(server.config.backlog)
-            except OSError as exc:  # another agent bound the same port in the same instant, and listened first
-                log.error("%s", exc)
-                raise SystemExit(STARTUP_FAILURE) from exc
-            if is_loopback(config.host):  # the user's own ranks check this agent with its key (trainpatrol.handshake)
-                handshake.write_key(config.port, agent.identity_key)
-            if config.exit_when_idle_seconds:
-                log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
-                threading.Thread(target=stop_when_idle, name="trainpatrol-idle", daemon=True,
-                                 args=(server, agent.idle_for, config.exit_when_idle_seconds, done)).start()
-            with contextlib.suppress(KeyboardInterrupt):
-                server.run(sockets=[sock])
-            if not server.started:  # the application did not start: fail as uvicorn.run does
-                raise SystemExit(STARTUP_FAILURE)
-        finally:
-            done.set()
-            handshake.remove_key(config.port, agent.identity_key)
-            if agent.nvml is not None:
-                agent.nvml.stop()
-            agent.peers.close()
-
-
 class _Terminated(BaseException):
     """SIGTERM, handed back by uvicorn once it has shut down."""
 
@@ -134,6 +86,54 @@ def _ends_by_sigterm_after_cleanup() -> Iterator[None]:
         signal.raise_signal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@_ends_by_sigterm_after_cleanup()
+def serve(config: AgentConfig) -> None:
+    agent = build_agent(config)
+    if agent.nvml is not None:
+        agent.nvml.start()
+    # Every push allocates thousands of short-lived objects, and a full collection over the startup's
+    # own (FastAPI, pydantic schemas, the catalogue) stalls scrapes (bench/scrape.py's p99): keep those
+    # out of collections for good, and collect young objects less often.
+    gc.freeze()
+    gc.set_threshold(10_000, 50, 100)
+    log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)
+    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds)
+    log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
+    done = threading.Event()
+    try:
+        protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
+        server = uvicorn.Server(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
+                                               ws="none", log_level=config.log_level, access_log=False,
+                                               h11_max_incomplete_event_size=config.max_header_bytes,
+                                               timeout_keep_alive=int(config.keep_alive_seconds) or 1,
+                                               timeout_graceful_shutdown=2))
+        # The port is held (listen: a second agent's listen fails, so it cannot overwrite this one's key)
+        # before the key is written, and the key before anything is served: a rank that reaches the agent
+        # finds its key.
+        sock = server.config.bind_socket()  # exits as uvicorn.run does when the port is taken
+        try:
+            sock.listen(server.config.backlog)
+        except OSError as exc:  # another agent bound the same port in the same instant, and listened first
+            log.error("%s", exc)
+            raise SystemExit(STARTUP_FAILURE) from exc
+        if is_loopback(config.host):  # the user's own ranks check this agent with its key (trainpatrol.handshake)
+            handshake.write_key(config.port, agent.identity_key)
+        if config.exit_when_idle_seconds:
+            log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
+            threading.Thread(target=stop_when_idle, args=(server, agent.idle_for, config.exit_when_idle_seconds, done),
+                             name="trainpatrol-idle", daemon=True).start()
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
+        if not server.started:  # the application did not start: fail as uvicorn.run does
+            raise SystemExit(STARTUP_FAILURE)
+    finally:
+        done.set()
+        handshake.remove_key(config.port, agent.identity_key)
+        if agent.nvml is not None:
+            agent.nvml.stop()
+        agent.peers.close()
 
 
 def stop_when_idle(server: uvicorn.Server, idle_for: Callable[[], float], seconds: float,
