@@ -32,6 +32,7 @@ from .compute_clock import ComputeClock
 from .config import PatrolConfig
 from .control_loop import ControlLoop, guard_trips
 from .embedded import ensure_agent
+from . import fork_guard
 from .flops import dtype_name
 from .guards import Guards
 from .host_memory import HostMemory
@@ -113,6 +114,7 @@ class Patrol:
                  device: torch.device | str | None = None, config: PatrolConfig | None = None,
                  extra_state: Callable[[], dict[str, Any]] | None = None,
                  load_extra_state: Callable[[dict[str, Any]], None] | None = None, **overrides: Any) -> None:
+        fork_guard.install()
         cfg = replace(config or PatrolConfig(), **overrides)
         if run is not None:
             cfg.run = run
