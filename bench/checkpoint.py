@@ -15,8 +15,10 @@ compared with a copy of the weights taken at the step it names (``exact``). Prin
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -157,12 +159,20 @@ def patrol_checkpoints(loop: Loop, root: Path, fmt: str, args: argparse.Namespac
     for attempt in ("first (allocates the pinned buffers)", "second"):
         patrol.request("checkpoint", f"bench, {attempt}")
         blocked = 0.0
+        profile = cProfile.Profile() if args.profile and attempt == "second" else None
         for _ in range(100):  # the boundary where the ranks agree on it stages the state
             sync(device)
             start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             patrol.boundary()
+            if profile is not None:
+                profile.disable()
             blocked = max(blocked, time.perf_counter() - start)
             if executor._writer is not None:
+                if profile is not None:
+                    print(f"--- the {fmt} checkpoint's second boundary, profiled", file=sys.stderr)
+                    pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
                 at_step = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 break
             loop.step()
@@ -195,6 +205,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--skip", type=lambda v: set(v.split(",")), default=set(),
                     help="parts to leave out, comma-separated: writers (the writer comparison), dcp (DCP's async_save)")
+    ap.add_argument("--profile", action="store_true", help="cProfile each Patrol path's second checkpoint boundary "
+                    "(to stderr)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root = Path(tempfile.mkdtemp(dir=args.dir))

@@ -157,6 +157,8 @@ class Epoch:
     """The training thread's CPU seconds per step."""
     publisher_cpu_per_s: float = math.nan
     self_reported: float = math.nan
+    exposed_share: float = math.nan
+    """The share of Patrol's host time its self-report counts (the device had caught up with the host)."""
     opt_step_s: float = math.nan
     """Host seconds per ``optimizer.step()`` call (instrumented epochs only)."""
 
@@ -331,6 +333,7 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
         try:
             result = run_epoch(patrol.loader(dl), model, opt, case, device, warmup, patrol, time_opt)
             result.self_reported = self_reported(patrol)
+            result.exposed_share = patrol._latest.exposed_share
             return result
         finally:
             patrol.close()
@@ -362,6 +365,7 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
         "patrol_added_cpu_in_launches": round(added_cpu_us / floor, 1),
         "publisher_cpu_ms_per_s": round(statistics.median(e.publisher_cpu_per_s for e in runs["patrol"]) * 1e3, 3),
         "self_reported_pct": round(reported, 3),
+        "self_report_exposed_share": round(statistics.median(e.exposed_share for e in runs["patrol"]), 3),
         "self_report_minus_measured_pp": round(reported - measured, 3),
     }
     # one instrumented Patrol epoch, and a bare one for the optimizer step's own host time

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,29 @@ def test_rank_gpu_uuid_matches_nvml() -> None:
     finally:
         pynvml.nvmlShutdown()
     assert gpu_uuid(DEV) == uuid
+
+
+def exposed_share(tmp: Path, matmul: int, host_seconds: float) -> tuple[float, float]:
+    """A loop of one ``matmul``-sized product a step and ``host_seconds`` of host work, never synced: (the share
+    of Patrol's host time it pays for, Patrol's self-report)."""
+    patrol = patrol_for(tmp, readback_lag_seconds=0.01)
+    a = torch.randn(matmul, matmul, device=DEV)
+    for _ in range(300):
+        loss = (a @ a).mean()
+        end = time.perf_counter() + host_seconds
+        while time.perf_counter() < end:
+            pass
+        patrol.step(loss)
+    share = patrol._latest.exposed_share
+    ratio = next(s["value"] for s in patrol._report.snapshot()["samples"]
+                 if s["name"] == "trainpatrol_probe_overhead_ratio")
+    patrol.close()
+    return share, ratio
+
+
+def test_a_gpu_bound_loop_pays_none_of_patrols_host_time_and_a_host_bound_one_all(tmp_path: Path) -> None:
+    # an 8192-wide product takes a few ms on an H200; the host queues it in microseconds and runs ahead
+    assert exposed_share(tmp_path / "gpu-bound", 8192, 0.0) == (0.0, 0.0)
+    # a 16-wide product takes microseconds; the host's 2 ms a step leave the device waiting
+    share, ratio = exposed_share(tmp_path / "host-bound", 16, 0.002)
+    assert share == 1.0 and 0 < ratio < 0.5

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from servers import agent
 from trainpatrol import Patrol, PatrolConfig
+from trainpatrol.probe.compute_clock import ComputeClock
 from trainpatrol.probe.snapshot import RankReport
 from trainpatrol.probe.step_recorder import StepRecorder
 from trainpatrol.probe.update_hooks import UpdateHooks
@@ -115,6 +116,13 @@ def test_a_slow_loader_wrapper_raises_the_ratio(tmp_path: Path, agent_url: str, 
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # the wrapper hands each fetch's wait to it
     ratio, share = counted_share(monkeypatch, StepRecorder, "waited", tmp_path, agent_url, batches)
+    assert ratio > 0.6 * share > 0.06, (ratio, share)
+
+
+def test_a_slow_compute_clock_raises_the_ratio(tmp_path: Path, agent_url: str, batches: DataLoader[Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # its forward pre-hook runs at each step's first forward, outside step() and the optimizer's hooks
+    ratio, share = counted_share(monkeypatch, ComputeClock, "_begin", tmp_path, agent_url, batches)
     assert ratio > 0.6 * share > 0.06, (ratio, share)
 
 

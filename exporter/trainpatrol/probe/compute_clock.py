@@ -35,6 +35,8 @@ class ComputeClock:
         self._every = every if self._on_gpu else 1
         self._began = self._ended = 0.0
         self._steps_since = 0
+        self._hook_seconds = 0.0
+        """The hooks' own time since the last ``step``, Patrol's overhead."""
         self._timing = True
         self._free: list[tuple[Any, Any]] = []
         self._pending: deque[tuple[Any, Any, int]] = deque()
@@ -49,21 +51,32 @@ class ComputeClock:
         return bool(self._handles)
 
     def _forward(self, _module: torch.nn.Module, _args: Any) -> None:
+        start = time.perf_counter()
+        self._begin()
+        self._hook_seconds += time.perf_counter() - start
+
+    def _backward_done(self, _param: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self._end()
+        self._hook_seconds += time.perf_counter() - start
+
+    def _begin(self) -> None:
         if self._began or not self._timing or not torch.is_grad_enabled():
             return  # a later micro-batch of the same step, a step not timed, or an evaluation
         if self._on_gpu:
             self._free[-1][0].record()
         self._began = time.perf_counter()
 
-    def _backward_done(self, _param: torch.Tensor) -> None:
+    def _end(self) -> None:
         if not self._began:
             return
         if self._on_gpu:
             self._free[-1][1].record()
         self._ended = time.perf_counter()
 
-    def step(self) -> None:
-        """An optimizer step closed: the step's compute ends at its last backward."""
+    def step(self) -> float:
+        """An optimizer step closed: the step's compute ends at its last backward. Returns its hooks' own time
+        since the last step, Patrol's overhead."""
         self._steps_since += 1
         if self._began and self._ended >= self._began:
             if self._on_gpu:
@@ -74,6 +87,8 @@ class ComputeClock:
             self._steps_since = 0
         self._began = self._ended = 0.0
         self._timing = bool(self._free) and self._steps_since + 1 >= self._every if self._on_gpu else True
+        spent, self._hook_seconds = self._hook_seconds, 0.0
+        return spent
 
     def collect(self) -> float:
         """``seconds`` after reading the events that completed (the training thread's; no sync)."""

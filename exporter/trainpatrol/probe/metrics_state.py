@@ -53,6 +53,9 @@ class Latest:
     """0 while the rank steps, else the phase it is stuck in (probe.stall_watch.PHASES)."""
     host_memory: HostMemoryReading | None = None
     """The last host-memory reading (taken where a push is built: Patrol.snapshot)."""
+    exposed_share: float = 1.0
+    """The share of Patrol's host time the steps pay for: on a GPU, how often the device had caught up with the
+    host (``probe.exposure``); while it runs behind, the host's time hides behind queued work. 1 on CPU."""
 
 
 def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str, int],
@@ -111,7 +114,8 @@ def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str,
         add("host_memory_limit_bytes", h.limit)
         for worker, resident in h.workers.items():
             add("dataloader_worker_resident_bytes", resident, worker=str(worker))
-    add("probe_overhead_ratio", history.ratio("probe_seconds", "step_seconds") + publisher_share)
+    probe_share = history.ratio("probe_seconds", "step_seconds") + publisher_share
+    add("probe_overhead_ratio", probe_share * latest.exposed_share)
     for g in GUARDS:
         add("guard_trips_total", guards_trips[g], guard=g)
         add("guard_active", 1.0 if guards_active[g] else 0.0, guard=g)

@@ -27,12 +27,12 @@ from ..control.evidence_writer import EvidenceWriter
 from ..control.run_record import RunRecord
 from ..control.training_state import STATEFUL, TrainingState
 from ..protocol import ActionRecord
+from . import fork_guard
 from .collective_trace import enable_flight_recorder
 from .compute_clock import ComputeClock
 from .config import PatrolConfig
 from .control_loop import ControlLoop, guard_trips
 from .embedded import ensure_agent
-from . import fork_guard
 from .flops import dtype_name
 from .guards import Guards
 from .host_memory import HostMemory

@@ -25,6 +25,7 @@ import torch
 from . import device_values as dv
 from .compute_clock import ComputeClock
 from .config import PatrolConfig
+from .exposure import Exposure
 from .guards import Guards
 from .memory import default_reader
 from .metrics_state import Latest, Totals
@@ -54,6 +55,7 @@ class StepRecorder:
         self.scaler: Any = None
         self._values = dv.DeviceValues(device)
         self._readback = Readback(device, dv.WIDTH)
+        self._exposure = Exposure()
         self.on_cpu = device.type == "cpu"
         self._rows: list[Row] = []
         self._batch = 1
@@ -142,6 +144,7 @@ class StepRecorder:
             if hooks is not None:
                 hooks.judge(urgent)
         else:  # the values stay on the device until the batch's read-back
+            self._exposure.sample()
             values = self._values
             values.record(mean_loss, grad_norm, scale)
             if hooks is not None and hooks.mode != "off":  # the row just written holds loss and grad norm
@@ -152,7 +155,7 @@ class StepRecorder:
         if not rows:
             self.owner = threading.get_ident()
         if self.compute_clock is not None:
-            self.compute_clock.step()
+            self.probe_since_step += self.compute_clock.step()
         row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f, scale_f,
                float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
         rows.append(row)
@@ -212,6 +215,8 @@ class StepRecorder:
         if self._values.filled:
             rows, buf = self._values.flush()
             self._readback.submit((self.totals.steps - rows + 1, rows), buf)
+            self._exposure.watch(self._readback.last_event)
+            self.latest.exposed_share = self._exposure.share
 
     def _absorb(self, values: list[tuple[tuple[int, int], list[float]]]) -> None:
         """Fold read-back device values (late by a step or a few) into history, totals and guards."""
