@@ -7,6 +7,7 @@ import gc
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from resume_loops import config
 
@@ -34,8 +35,12 @@ class _CollectsInTheWorker(torch.utils.data.Dataset[int]):
         return i
 
 
-def test_a_forked_dataloader_worker_never_frees_the_garbage_its_parent_left(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parent_froze_objects", [False, True])
+def test_a_forked_dataloader_worker_never_frees_the_garbage_its_parent_left(tmp_path: Path,
+                                                                            parent_froze_objects: bool) -> None:
     record = tmp_path / "freed-by"
+    if parent_froze_objects:  # as some Python builds do at startup
+        gc.freeze()
     patrol = Patrol(config=config(tmp_path, "forks"), device="cpu")
     patrol.close()
     gc.disable()  # the cycle stays garbage until the worker forks
@@ -46,5 +51,6 @@ def test_a_forked_dataloader_worker_never_frees_the_garbage_its_parent_left(tmp_
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     finally:
         gc.enable()
+        gc.unfreeze()
     gc.collect()
     assert record.read_text().split() == [str(os.getpid())]
