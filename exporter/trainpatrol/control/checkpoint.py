@@ -24,6 +24,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -177,18 +178,28 @@ def _tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def nonfinite_entries(state: dict[str, Any]) -> list[str]:
-    """Names of the model's and optimizer's floating-point tensors holding a NaN or an Inf (one read per device)."""
-    by_device: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
+    """Names of the model's and optimizer's floating-point tensors holding a NaN or an Inf.
+
+    One fused max-norm per device and dtype (a NaN or an Inf anywhere makes it non-finite) and one read per device:
+    a 1B model's state is about 1,200 tensors, and a check per tensor held training for tens of milliseconds."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[str], list[torch.Tensor]]] = {}
     for part in ("model", "optimizer"):
         for name, t in _tensors(state.get(part), f"{part}:"):
             if t.is_floating_point() or t.is_complex():
-                t = sharded.local(t)  # a rank judges its own shards
-                names, flags = by_device.setdefault(t.device, ([], []))
+                t = sharded.local(t)  # a rank judges its own shards, and may hold none of a small tensor
+                if not t.numel():
+                    continue
+                names, tensors = groups.setdefault((t.device, t.dtype), ([], []))
                 names.append(name)
-                flags.append(torch.isfinite(t).all())
+                tensors.append(t)
+    by_device: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
+    for (device, _), (names, tensors) in groups.items():
+        all_names, norms = by_device.setdefault(device, ([], []))
+        all_names += names
+        norms.append(torch.stack(torch._foreach_norm(tensors, math.inf)).float())
     bad: list[str] = []
-    for names, flags in by_device.values():
-        finite = torch.stack(flags).tolist()
+    for names, norms in by_device.values():
+        finite = torch.isfinite(torch.cat(norms)).tolist()
         bad += [n for n, ok in zip(names, finite, strict=True) if not ok]
     return bad
 
