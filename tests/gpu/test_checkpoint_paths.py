@@ -63,3 +63,29 @@ def test_a_cuda_checkpoint_restores_the_state_of_its_step(tmp_path: Path, fmt: s
         assert v.device == DEV and torch.equal(v, at_step[k]), k
     train(fresh, model, opt, step + 5)  # the restored optimizer steps on the GPU
     fresh.close()
+
+
+def pinned_bytes() -> int:
+    return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_background_checkpoints_pin_their_host_memory_before_the_first_one_is_asked_for(tmp_path: Path,
+                                                                                       background: bool) -> None:
+    cfg = PatrolConfig(run="gpu-reserve", agent_url="http://127.0.0.1:9", embedded_agent=False,
+                       checkpoint_dir=str(tmp_path / "ckpt"), evidence_dir=str(tmp_path / "evidence"),
+                       push_interval_seconds=3600, guard_actions={}, background_checkpoints=background)
+    model, opt = build(0)
+    before = pinned_bytes()
+    patrol = Patrol(model=model, optimizer=opt, config=cfg)
+    train(patrol, model, opt, 5)
+    state = sum(t.nbytes for t in model.state_dict().values()) + sum(
+        t.nbytes for s in opt.state.values() for t in s.values() if t.is_cuda)
+    for _ in range(500):  # bounded: pinning this small state takes milliseconds
+        if pinned_bytes() - before >= state:
+            break
+        train(patrol, model, opt, patrol.step_count + 1)
+    grown = pinned_bytes() - before
+    patrol.close()
+    assert not patrol.actions  # no checkpoint was asked for
+    assert (grown >= state) is background, (grown, state, torch.cuda.host_memory_stats())
