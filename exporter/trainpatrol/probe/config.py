@@ -66,7 +66,8 @@ class PatrolConfig:
     background: rank 0 the replicated state; every rank its shards of a sharded model (DCP's ``async_save``, its
     collectives on a gloo group of their own). A failed write pauses the run at the next boundary. Off by
     default because the copy takes as much host memory as the (rank's share of the) state for the Patrol's
-    lifetime (84 GB for a 7B model with AdamW, unsharded); docs/benchmarks.md has what it saves."""
+    lifetime (84 GB for a 7B model with AdamW, unsharded). On a GPU that memory is pinned on a thread after the
+    optimizer's first step, so the first checkpoint is not held for it; docs/benchmarks.md has what it saves."""
     flops_per_token: float = 0.0
     """The model's training FLOPs per token, forward and backward (about 6 x parameters, plus attention's 12 x
     layers x width x sequence length for a transformer): with ``step(tokens=)`` it gives the run's achieved
