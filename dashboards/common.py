@@ -113,6 +113,15 @@ def gauge(metric: str, over: str = "avg") -> PerRank:
                    lambda sel: f"max by (run, rank) ({over}_over_time({metric}{{{sel}}}{WHOLE}))")
 
 
+def gauge_product(ratio: str, scale: str) -> PerRank:
+    """A rank gauge served as a ratio of another (allocated bytes as the used ratio times the capacity, so the
+    standard series level need not carry both); outliers by its average over the time range."""
+    def product(sel: str, over: str = "") -> str:
+        a, b = (f"avg_over_time({m}{{{sel}}}{WHOLE})" if over else f"{m}{{{sel}}}" for m in (ratio, scale))
+        return f"max by (run, rank) ({a}) * on (run, rank) max by (run, rank) ({b})"
+    return PerRank(product, lambda sel: product(sel, "avg"))
+
+
 def rate(metric: str) -> PerRank:
     """A rank counter per second; outliers by its increase over the time range."""
     return PerRank(lambda sel: f"sum by (run, rank) (rate({metric}{{{sel}}}[{RI}]))",

@@ -15,6 +15,7 @@ from dashboards.common import (
     RI,
     RUN,
     TIMES,
+    WHERE,
     WHOLE,
     PerRank,
     Q,
@@ -22,6 +23,7 @@ from dashboards.common import (
     drill,
     finish,
     gauge,
+    gauge_product,
     increase,
     outliers,
     rate,
@@ -96,7 +98,7 @@ def build() -> dm.Dashboard:
         ))
 
     d = d.with_row(row("Memory"))
-    allocated = gauge("trainpatrol_cuda_memory_allocated_bytes")
+    allocated = gauge_product("trainpatrol_cuda_memory_used_ratio", "trainpatrol_cuda_memory_capacity_bytes")
     reserved = gauge("trainpatrol_cuda_memory_reserved_bytes")
     peak = gauge("trainpatrol_cuda_memory_peak_allocated_bytes", "max")
     capacity = gauge("trainpatrol_cuda_memory_capacity_bytes")
@@ -216,12 +218,12 @@ def build() -> dm.Dashboard:
     ))
     d = d.with_panel(ts(
         "Learning rate",
-        "What learning rate did each parameter group use, e.g. around a loss spike? The highest over the "
-        "run's ranks, per group (at most 16 groups).",
+        "What learning rate did each parameter group use, e.g. around a loss spike? Per group (at most 16), as "
+        "the run's lowest rank on each agent reports it (data-parallel ranks agree; the agent's full series "
+        "level serves each rank's).",
         [
-            Q(f"max by (run, param_group) (trainpatrol_learning_rate{{{RUN}}})", "{{run}} group {{param_group}}"),
-            Q(f"max by (run, rank, param_group) (trainpatrol_learning_rate{{{RANK}}})",
-              "{{run}} rank {{rank}} group {{param_group}}"),
+            Q(f'max by (run, param_group) (trainpatrol_run_learning_rate{{{WHERE}, run=~"$run"}})',
+              "{{run}} group {{param_group}}"),
         ],
         unit="short", w=8,
     ))

@@ -119,6 +119,7 @@ AGENT_METRICS: tuple[Metric, ...] = (
     _a(P + "rank_last_push_timestamp_seconds", "gauge", "seconds", "Unix time of the rank's last accepted push.", "run", "rank"),
     _a(P + "rank_last_step_timestamp_seconds", "gauge", "seconds", "Unix time at which the rank's step counter last advanced: the rank's own clock at that step's end, to the sub-second (kept between its previous push and the one that reported the step, the agent's clock on a rank's first push).", "run", "rank"),
     _a(P + "run_actions_total", "counter", "", "Control actions carried out in a run, by action and outcome: the most that any of this agent's ranks of the run reports (every rank carries out each agreed action once). max by (run, action, outcome) over agents.", "run", "action", "outcome"),
+    _a(P + "run_learning_rate", "gauge", "", "Learning rate of each optimizer param group, as the lowest of this agent's ranks of the run reports it (data-parallel ranks agree; per rank: trainpatrol_learning_rate at the full series level).", "run", "param_group"),
     _a(P + "run_restarts", "gauge", "", "Restarts of the run so far (torchrun's TORCHELASTIC_RESTART_COUNT, as each rank pushes it): the most any of this agent's ranks of the run reports. The run-timeline dashboard marks each increase.", "run"),
     _a(P + "run_model_flops_per_token", "gauge", "", "The model's training FLOPs per token (forward and backward), as its ranks were given it (PatrolConfig.flops_per_token): rate(trainpatrol_tokens_total) times this is a rank's achieved FLOP/s.", "run"),
     _a(P + "run_model_flops_per_step", "gauge", "", "The model's training FLOPs per optimizer step on one rank, given (PatrolConfig.flops_per_step) or measured (trainpatrol.measure_flops), where no per-token figure is: rate(trainpatrol_step_total) times this is a rank's achieved FLOP/s.", "run"),
@@ -173,12 +174,13 @@ FULL_ONLY: frozenset[str] = frozenset(P + name for name in (
     "cuda_memory_inactive_split_bytes", "cuda_memory_unusable_at_peak_bytes", "cuda_memory_baseline_bytes",
     "cuda_memory_baseline_slope_bytes_per_step", "host_memory_limit_bytes", "dataloader_worker_resident_bytes",
     "guard_active", "actions_total", "last_checkpoint_timestamp_seconds", "last_checkpoint_step",
-    "control_interval_steps"))
+    "control_interval_steps", "learning_rate", "checkpoint_failures_total", "push_dropped_total",
+    "probe_overhead_ratio", "host_memory_resident_bytes", "dataloader_info", "cuda_memory_allocated_bytes"))
 """Rank metrics the agent serves only at the ``full`` series level (``--series full``); at the default,
 ``standard``, a rank also keeps only the ``+Inf`` bucket of its step-duration histogram, and only the guards
 that tripped. SERIES_BUDGET says what that leaves."""
 
-SERIES_BUDGET = 40
+SERIES_BUDGET = 32
 """The most series one rank may cost at the standard level, the agent's liveness series included."""
 
 ALL_METRICS: tuple[Metric, ...] = RANK_METRICS + AGENT_METRICS + NVML_METRICS
@@ -200,12 +202,14 @@ def render_markdown() -> str:
         "",
         f"A 1,024-rank job shares its Prometheus with everything else, so one rank costs at most {SERIES_BUDGET} series at",
         "the agent's default series level, `standard` (a GPU rank on the README loop with a validation loss, a",
-        "GradScaler and two parameter groups: 40, its compute time and the agent's liveness series included; `tests/agent/test_series_budget.py`).",
+        "GradScaler and two parameter groups: 32, its compute time and the agent's liveness series included; `tests/agent/test_series_budget.py`).",
         "At that level the agent leaves out the metrics marked *full* below, every step-duration bucket of a rank but",
         "`+Inf` (its `_sum` and `_count` stay), and `trainpatrol_guard_trips_total` of guards that never tripped.",
         "What is the same on every rank of a run is served once per run instead: `trainpatrol_run_actions_total`",
-        "(every rank carries out each agreed action) and `trainpatrol_run_step_duration_seconds` (the ranks'",
-        "histograms summed, for the run's quantiles). The rank's control state is one gauge,",
+        "(every rank carries out each agreed action), `trainpatrol_run_step_duration_seconds` (the ranks'",
+        "histograms summed, for the run's quantiles) and `trainpatrol_run_learning_rate` (the lowest rank's). The",
+        "rank's memory in use is `trainpatrol_cuda_memory_used_ratio` (times the capacity, the allocated bytes).",
+        "The rank's control state is one gauge,",
         "`trainpatrol_rank_state`, whose value encodes the state. Every series an alert reads is served from the",
         "rank's first push, counters at 0. `trainpatrol agent --series full` (Helm: `agent.series: full`) serves",
         "everything, 103 series for a CPU rank.",

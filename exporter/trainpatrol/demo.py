@@ -136,9 +136,9 @@ def _call(agent_url: str, path: str, token: str = "", body: dict[str, Any] | Non
         return json.loads(r.read())
 
 
-MISSION = ("loss", "grad_norm", "cuda_memory_fragmentation_ratio", "cuda_alloc_retries_total", "loader_wait_ratio",
-           "step_total", "step_duration_seconds_count", "nonfinite_steps_total", "samples_total", "paused",
-           "probe_overhead_ratio")
+MISSION = ("loss", "grad_norm", "cuda_memory_used_ratio", "cuda_memory_fragmentation_ratio", "cuda_alloc_retries_total",
+           "cuda_ooms_total", "loader_wait_ratio", "step_total", "step_duration_seconds_count", "nonfinite_steps_total",
+           "samples_total")
 
 
 def _print_mission_metrics(agent_url: str, run: str) -> None:

@@ -66,7 +66,7 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def test_a_rank_costs_at_most_the_budget_at_the_standard_level(exposition: dict[str, str]) -> None:
     series = series_of_rank(exposition["standard"])
-    assert 30 <= len(series) <= SERIES_BUDGET == 40, "\n".join(series)
+    assert 30 <= len(series) <= SERIES_BUDGET == 32, "\n".join(series)
     assert not {s.split("{")[0] for s in series} & FULL_ONLY
 
 
@@ -90,3 +90,9 @@ def test_the_full_level_serves_the_whole_catalogue(exposition: dict[str, str]) -
     slope = {"trainpatrol_cuda_memory_baseline_slope_bytes_per_step"}
     assert after_a_checkpoint <= expected - full <= after_a_checkpoint | slope
     assert len(series_of_rank(exposition["full"])) > len(series_of_rank(exposition["standard"])) + 40
+
+
+def test_the_learning_rate_is_served_once_per_run_at_the_standard_level(exposition: dict[str, str]) -> None:
+    lines = [ln for ln in exposition["standard"].splitlines() if "learning_rate{" in ln]
+    assert lines == ['trainpatrol_run_learning_rate{param_group="0",run="budget"} 0.001',
+                     'trainpatrol_run_learning_rate{param_group="1",run="budget"} 0.0001']

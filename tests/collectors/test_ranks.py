@@ -177,3 +177,14 @@ def test_a_runs_restart_count_is_served_once_per_run_as_the_most_any_rank_report
     store.push(snap(0, run="other"))
     lines = [ln for ln in text(RankCollector(store)).decode().splitlines() if ln.startswith("trainpatrol_run_restarts")]
     assert lines == ['trainpatrol_run_restarts{run="other"} 0.0', 'trainpatrol_run_restarts{run="r1"} 3.0']
+
+
+def test_a_runs_learning_rates_are_served_once_per_run_as_its_lowest_rank_reports_them() -> None:
+    store = RankStore(clock=Clock())
+    for rank, lr in ((3, 0.5), (1, 0.25), (2, 0.125)):  # pushed out of rank order
+        store.push(snap(rank, world_size=4, samples=[{"name": "trainpatrol_learning_rate", "labels": {"param_group": g},
+                                        "value": lr / (int(g) + 1)} for g in ("0", "1")]))
+    lines = [ln for ln in text(RankCollector(store)).decode().splitlines() if "learning_rate" in ln
+             and not ln.startswith("#")]
+    assert lines == ['trainpatrol_run_learning_rate{param_group="0",run="r1"} 0.25',
+                     'trainpatrol_run_learning_rate{param_group="1",run="r1"} 0.125']

@@ -134,7 +134,7 @@ def test_restart_from_stop_checkpoint_reproduces_losses_bit_for_bit(tmp_path: Pa
 
 
 def test_failed_checkpoint_keeps_previous_and_stays_paused(tmp_path: Path) -> None:
-    with agent(tmp_path, "--no-nvml") as url:
+    with agent(tmp_path, "--no-nvml", "--series", "full") as url:  # checkpoint_failures_total
         patrol, model = make(tmp_path, url, "full")
         losses: list[float] = []
         train(patrol, model, 5, losses)

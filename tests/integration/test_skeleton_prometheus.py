@@ -52,7 +52,7 @@ def test_agent_restart_mid_run_loses_nothing(tmp_path: Path) -> None:
     # the agent is gone: the loop goes on and raises nothing; pushes are dropped and counted
     run_scripted(patrol, LOSSES[40:80])
     wait_for(lambda: patrol._publisher.dropped > 0, 10, what="a dropped push")
-    with agent(tmp_path, "--no-nvml", port=port) as url:
+    with agent(tmp_path, "--no-nvml", "--series", "full", port=port) as url:  # push_dropped_total
         run_scripted(patrol, LOSSES[80:])
         wait_for(lambda: b'trainpatrol_step_total{rank="0",run="restart"} 120.0' in http_get(url + "/metrics"),
                  15, what="totals after the restart")

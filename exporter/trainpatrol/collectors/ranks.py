@@ -3,10 +3,10 @@
 Yields the ``source="rank"`` metrics of the catalogue that some rank pushed, with ``run`` and ``rank`` labels
 (and the workload labels a rank has), then ``trainpatrol_rank_up``,
 ``trainpatrol_rank_last_push_timestamp_seconds`` and ``trainpatrol_rank_last_step_timestamp_seconds``, then
-once per run what is the same on its ranks or sums over them: ``trainpatrol_run_actions_total`` and
-``trainpatrol_run_step_duration_seconds``. At the ``standard`` series level (the default) a rank's series
-stay within ``catalogue.SERIES_BUDGET``: the ``FULL_ONLY`` metrics, the step-duration buckets below
-``+Inf`` and the guards that never tripped are left out; ``full`` serves everything.
+once per run what is the same on its ranks or sums over them: ``trainpatrol_run_actions_total``,
+``trainpatrol_run_step_duration_seconds`` and ``trainpatrol_run_learning_rate``. At the ``standard`` series level
+(the default) a rank's series stay within ``catalogue.SERIES_BUDGET``: the ``FULL_ONLY`` metrics, the
+step-duration buckets below ``+Inf`` and the guards that never tripped are left out; ``full`` serves everything.
 A prometheus_client collector: the agent's /metrics writes it in either format (collectors.health).
 """
 
@@ -27,10 +27,10 @@ _HISTOGRAM = next(m.name for m in RANK_METRICS if m.kind == "histogram")
 _BOUNDS = (*(str(b) for b in STEP_DURATION_BUCKETS), "+Inf")
 _LIVENESS = tuple(m for m in AGENT_METRICS if m.name.startswith("trainpatrol_rank_"))
 _RUN_ACTIONS, _RUN_HISTOGRAM = BY_NAME[P + "run_actions_total"], BY_NAME[P + "run_step_duration_seconds"]
-_RUN_RESTARTS = BY_NAME[P + "run_restarts"]
+_RUN_RESTARTS, _RUN_LR = BY_NAME[P + "run_restarts"], BY_NAME[P + "run_learning_rate"]
 _RUN_FLOPS = tuple(BY_NAME[P + name] for name in ("run_model_flops_per_token", "run_model_flops_per_step",
                                                   "run_peak_flops"))
-_ACTIONS, _TRIPS = P + "actions_total", P + "guard_trips_total"
+_ACTIONS, _TRIPS, _LR = P + "actions_total", P + "guard_trips_total", P + "learning_rate"
 SERIES_LEVELS = ("standard", "full")
 
 
@@ -81,6 +81,7 @@ class RankCollector:
         families = {spec.name: spec.family() for spec in RANK_METRICS if full or spec.name not in FULL_ONLY}
         liveness = [spec.family() for spec in _LIVENESS]
         run_actions: dict[tuple[str, ...], float] = {}
+        learning_rates: dict[tuple[str, str, str], tuple[int, float]] = {}
         restarts: dict[tuple[str, str], float] = {}
         flops: dict[tuple[str, str], tuple[float, float, float, str]] = {}
         run_steps: dict[tuple[str, str], tuple[list[float], float]] = {}
@@ -96,6 +97,11 @@ class RankCollector:
                 if s.name == _ACTIONS:
                     act = (snap.namespace, snap.run, s.labels.get("action", ""), s.labels.get("outcome", ""))
                     run_actions[act] = max(run_actions.get(act, 0.0), s.value)
+                elif s.name == _LR:
+                    of_group = (snap.namespace, snap.run, s.labels.get("param_group", ""))
+                    held = learning_rates.get(of_group)
+                    if held is None or snap.rank < held[0]:
+                        learning_rates[of_group] = (snap.rank, s.value)
                 fam = families.get(s.name)
                 if fam is None or (not full and s.name == _TRIPS and not s.value):
                     continue
@@ -130,6 +136,11 @@ class RankCollector:
                 fam.add_sample(fam.name, plain, value)
         yield from (f for f in (*families.values(), *liveness) if f.samples)
         yield from _run_families(run_actions, run_steps, restarts)
+        if learning_rates:
+            fam = _RUN_LR.family()
+            for (namespace, run_name, param_group), (_, value) in sorted(learning_rates.items()):
+                fam.add_sample(_RUN_LR.name, _run_labels(namespace, run_name, param_group=param_group), value)
+            yield fam
         yield from _flops_families(flops)
 
 
