@@ -100,7 +100,7 @@ RANK_METRICS: tuple[Metric, ...] = (
     _r(P + "guard_trips_total", "counter", "", "Local guard trips, by guard. At the standard series level, only the guards that tripped at least once.", "guard"),
     _r(P + "guard_active", "gauge", "", "1 while a local guard's condition holds at the last read step.", "guard"),
     _r(P + "rank_state", "gauge", "", "The rank's control state: 0 running, 1 pausing, 2 paused, 3 stopping (on a stop command, or in close while its last writes finish), 4 stopped, 5 closed (>= 1: not training on purpose; >= 4: finished)."),
-    _r(P + "rank_stalled_phase", "gauge", "", "0 while the rank reaches step boundaries; once it has not for PatrolConfig.stall_seconds (or stall_step_multiple times its step time), the phase its training thread is stuck in: 1 waiting for data, 2 forward, 3 backward (under DDP also the wait for peers in the gradient all-reduce), 4 optimizer, 5 a collective, 6 Patrol's step boundary."),
+    _r(P + "rank_stalled_phase", "gauge", "", "0 while the rank reaches step boundaries; once it has not for PatrolConfig.stall_seconds (or stall_step_multiple times its step time), the phase its training thread is stuck in: 1 waiting for data, 2 forward, 3 backward (under DDP also the wait for peers in the gradient all-reduce), 4 optimizer, 5 a collective, 6 Patrol's step boundary. At the standard series level, served only while not 0."),
     _r(P + "actions_total", "counter", "", "Control actions carried out by the rank, by action and outcome (per run at the standard level: trainpatrol_run_actions_total).", "action", "outcome"),
     _r(P + "checkpoint_failures_total", "counter", "", "Checkpoint writes that failed and left the previous one in place."),
     _r(P + "checkpoint_blocked_seconds_total", "counter", "seconds", "Training time spent waiting for checkpoints: a checkpoint action's staging in host memory (it is written in the background), a pause's or stop's whole write."),
@@ -177,10 +177,16 @@ FULL_ONLY: frozenset[str] = frozenset(P + name for name in (
     "control_interval_steps", "learning_rate", "checkpoint_failures_total", "push_dropped_total",
     "probe_overhead_ratio", "host_memory_resident_bytes", "dataloader_info", "cuda_memory_allocated_bytes"))
 """Rank metrics the agent serves only at the ``full`` series level (``--series full``); at the default,
-``standard``, a rank also keeps only the ``+Inf`` bucket of its step-duration histogram, and only the guards
-that tripped. SERIES_BUDGET says what that leaves."""
+``standard``, a rank's step-duration histogram is also served as a summary (its ``_sum`` and ``_count``, no
+buckets: the ``+Inf`` one repeats ``_count``, the others are summed per run), and the NONZERO_ONLY series only
+while not 0. SERIES_BUDGET says what that leaves."""
 
-SERIES_BUDGET = 32
+NONZERO_ONLY: frozenset[str] = frozenset({P + "guard_trips_total", P + "rank_stalled_phase"})
+"""Rank series the agent serves at the standard level only while not 0: 0 is what every healthy rank says, and
+no shipped rule reads them but as ``> 0`` (a series that goes away is marked stale at the next scrape, so such a
+rule stops matching just as it would at 0)."""
+
+SERIES_BUDGET = 30
 """The most series one rank may cost at the standard level, the agent's liveness series included."""
 
 ALL_METRICS: tuple[Metric, ...] = RANK_METRICS + AGENT_METRICS + NVML_METRICS
@@ -202,16 +208,20 @@ def render_markdown() -> str:
         "",
         f"A 1,024-rank job shares its Prometheus with everything else, so one rank costs at most {SERIES_BUDGET} series at",
         "the agent's default series level, `standard` (a GPU rank on the README loop with a validation loss, a",
-        "GradScaler and two parameter groups: 32, its compute time and the agent's liveness series included; `tests/agent/test_series_budget.py`).",
-        "At that level the agent leaves out the metrics marked *full* below, every step-duration bucket of a rank but",
-        "`+Inf` (its `_sum` and `_count` stay), and `trainpatrol_guard_trips_total` of guards that never tripped.",
+        f"GradScaler and two parameter groups: {SERIES_BUDGET}, its compute time and the agent's liveness series included;",
+        "`tests/agent/test_series_budget.py`). At that level the agent leaves out the metrics marked *full* below;",
+        "serves a rank's `trainpatrol_step_duration_seconds` as a summary, its `_sum` and `_count` without buckets",
+        "(the `+Inf` bucket repeats `_count`; the run's buckets are in `trainpatrol_run_step_duration_seconds`); and",
+        "serves `trainpatrol_guard_trips_total` of a guard and `trainpatrol_rank_stalled_phase` only while they are",
+        "not 0 (no rule reads them but as `> 0`; a series that goes away is stale at the next scrape).",
         "What is the same on every rank of a run is served once per run instead: `trainpatrol_run_actions_total`",
         "(every rank carries out each agreed action), `trainpatrol_run_step_duration_seconds` (the ranks'",
         "histograms summed, for the run's quantiles) and `trainpatrol_run_learning_rate` (the lowest rank's). The",
         "rank's memory in use is `trainpatrol_cuda_memory_used_ratio` (times the capacity, the allocated bytes).",
         "The rank's control state is one gauge,",
         "`trainpatrol_rank_state`, whose value encodes the state. Every series an alert reads is served from the",
-        "rank's first push, counters at 0. `trainpatrol agent --series full` (Helm: `agent.series: full`) serves",
+        "rank's first push, counters at 0 (the stalled phase once the rank stalls). `trainpatrol agent --series full`",
+        "(Helm: `agent.series: full`) serves",
         "everything, 103 series for a CPU rank.",
         "",
     ]

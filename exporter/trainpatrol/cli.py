@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from ._version import __version__
 from .actions import ACTIONS
 from .agent.config import DEFAULT_PORT, DEFAULT_URL, EMBEDDED_IDLE_SECONDS
+from .catalogue import SERIES_BUDGET
 from .faults import FAULTS
 from .shipped import KINDS, export
 
@@ -86,7 +87,8 @@ def _agent_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--mode", choices=["agent", "router"])
     p.add_argument("--series", choices=["standard", "full"],
-                   help="standard (default): at most 40 series a rank; full: every series of docs/metrics.md")
+                   help=f"standard (default): at most {SERIES_BUDGET} series a rank; "
+                        "full: every series of docs/metrics.md")
     p.add_argument("--token-file", help="file holding the bearer token (or TRAINPATROL_TOKEN)")
     p.add_argument("--allowed-actions", help="comma-separated actions webhooks and the API may request")
     p.add_argument("--peers", help="comma-separated host:port of peer agents alerts may be forwarded to")

@@ -195,7 +195,8 @@ def test_the_body_of_ranks_gpus_and_counts_is_what_generate_latest_writes() -> N
     assert_clean(first)
     assert b'host="quote \\" backslash \\\\ done"' in first
     assert b"trainpatrol_step_total{rank=\"1\",run=\"r1\"} 1e+21" in first
-    assert b"trainpatrol_gpu_info{" in first and b"trainpatrol_step_duration_seconds_bucket{" in first
+    assert b"trainpatrol_gpu_info{" in first and b"trainpatrol_run_step_duration_seconds_bucket{" in first
+    assert b"# TYPE trainpatrol_step_duration_seconds summary" in first  # a rank's, at the standard level
 
 
 def test_metrics_endpoint_serves_the_last_push_of_each_rank() -> None:

@@ -91,6 +91,7 @@ def test_the_standard_level_keeps_a_rank_to_its_budget_and_serves_what_is_the_sa
              "value": failed},
             {"name": "trainpatrol_guard_trips_total", "labels": {"guard": "loss_spike"}, "value": trips},
             {"name": "trainpatrol_guard_active", "labels": {"guard": "loss_spike"}, "value": 0.0},
+            {"name": "trainpatrol_rank_stalled_phase", "value": trips},
             {"name": "trainpatrol_micro_step_total", "value": 9.0}]))
     body = text(RankCollector(store)).decode()
     lines = [ln for ln in body.splitlines() if not ln.startswith("#")]
@@ -99,10 +100,11 @@ def test_the_standard_level_keeps_a_rank_to_its_budget_and_serves_what_is_the_sa
         'trainpatrol_run_actions_total{action="pause",outcome="ok",run="r1"} 2.0']
     assert [ln for ln in lines if "guard" in ln] == [
         'trainpatrol_guard_trips_total{guard="loss_spike",rank="1",run="r1"} 3.0']
+    assert [ln for ln in lines if "stalled_phase" in ln] == ['trainpatrol_rank_stalled_phase{rank="1",run="r1"} 3.0']
     assert not [ln for ln in lines if "micro_step" in ln]
     per_rank = [ln for ln in lines if ln.startswith("trainpatrol_step_duration_seconds")]
+    assert "# TYPE trainpatrol_step_duration_seconds summary" in body
     assert per_rank == [line for r in (0, 1) for line in (
-        f'trainpatrol_step_duration_seconds_bucket{{le="+Inf",rank="{r}",run="r1"}} 5.0',
         f'trainpatrol_step_duration_seconds_count{{rank="{r}",run="r1"}} 5.0',
         f'trainpatrol_step_duration_seconds_sum{{rank="{r}",run="r1"}} 2.5')]
     assert 'trainpatrol_run_step_duration_seconds_bucket{le="0.0025",run="r1"} 2.0' in lines

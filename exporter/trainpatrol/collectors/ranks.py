@@ -5,8 +5,9 @@ Yields the ``source="rank"`` metrics of the catalogue that some rank pushed, wit
 ``trainpatrol_rank_last_push_timestamp_seconds`` and ``trainpatrol_rank_last_step_timestamp_seconds``, then
 once per run what is the same on its ranks or sums over them: ``trainpatrol_run_actions_total``,
 ``trainpatrol_run_step_duration_seconds`` and ``trainpatrol_run_learning_rate``. At the ``standard`` series level
-(the default) a rank's series stay within ``catalogue.SERIES_BUDGET``: the ``FULL_ONLY`` metrics, the
-step-duration buckets below ``+Inf`` and the guards that never tripped are left out; ``full`` serves everything.
+(the default) a rank's series stay within ``catalogue.SERIES_BUDGET``: the ``FULL_ONLY`` metrics are left out,
+a rank's step-duration histogram is served as a summary (``_sum`` and ``_count``, no buckets) and the
+``NONZERO_ONLY`` series only while not 0; ``full`` serves everything.
 A prometheus_client collector: the agent's /metrics writes it in either format (collectors.health).
 """
 
@@ -17,7 +18,7 @@ from typing import NamedTuple, Protocol
 
 from prometheus_client.metrics_core import Metric
 
-from ..catalogue import AGENT_METRICS, BY_NAME, FULL_ONLY, RANK_METRICS, STEP_DURATION_BUCKETS, P
+from ..catalogue import AGENT_METRICS, BY_NAME, FULL_ONLY, NONZERO_ONLY, RANK_METRICS, STEP_DURATION_BUCKETS, P
 from ..protocol import RankSnapshot
 from .text_format import Labels
 
@@ -30,7 +31,7 @@ _RUN_ACTIONS, _RUN_HISTOGRAM = BY_NAME[P + "run_actions_total"], BY_NAME[P + "ru
 _RUN_RESTARTS, _RUN_LR = BY_NAME[P + "run_restarts"], BY_NAME[P + "run_learning_rate"]
 _RUN_FLOPS = tuple(BY_NAME[P + name] for name in ("run_model_flops_per_token", "run_model_flops_per_step",
                                                   "run_peak_flops"))
-_ACTIONS, _TRIPS, _LR = P + "actions_total", P + "guard_trips_total", P + "learning_rate"
+_ACTIONS, _LR = P + "actions_total", P + "learning_rate"
 SERIES_LEVELS = ("standard", "full")
 
 
@@ -79,6 +80,10 @@ class RankCollector:
     def collect(self) -> Iterator[Metric]:
         rows, full = self._source.rows(), self._full
         families = {spec.name: spec.family() for spec in RANK_METRICS if full or spec.name not in FULL_ONLY}
+        if not full:
+            # _sum and _count without buckets is a summary: the +Inf bucket would repeat _count, and no rule
+            # or panel reads a rank's other buckets (the run's are trainpatrol_run_step_duration_seconds)
+            families[_HISTOGRAM] = Metric(_HISTOGRAM, families[_HISTOGRAM].documentation, "summary")
         liveness = [spec.family() for spec in _LIVENESS]
         run_actions: dict[tuple[str, ...], float] = {}
         learning_rates: dict[tuple[str, str, str], tuple[int, float]] = {}
@@ -88,7 +93,6 @@ class RankCollector:
         if len(self._labels) > self._max_series:
             self._labels.clear()
         labels_of = self._labels
-        bounds = _BOUNDS if full else _BOUNDS[-1:]
         for row in rows:
             snap = row.snapshot
             rank = (snap.run, snap.rank, *(getattr(snap, k) for k in WORKLOAD_LABELS))
@@ -103,7 +107,7 @@ class RankCollector:
                     if held is None or snap.rank < held[0]:
                         learning_rates[of_group] = (snap.rank, s.value)
                 fam = families.get(s.name)
-                if fam is None or (not full and s.name == _TRIPS and not s.value):
+                if fam is None or (not full and not s.value and s.name in NONZERO_ONLY):
                     continue
                 series = (rank, s.name, *s.labels.items())
                 labels = labels_of.get(series)
@@ -120,7 +124,7 @@ class RankCollector:
                 plain = labels_of[rank] = _sorted(rank_labels(snap))
             if snap.histogram is not None:
                 fam, counts = families[_HISTOGRAM], snap.histogram.counts
-                for le, count in zip(bounds, counts[-len(bounds):], strict=True):
+                for le, count in zip(_BOUNDS, counts, strict=True) if full else ():
                     bucket = (rank, le)
                     labels = labels_of.get(bucket)
                     if labels is None:
