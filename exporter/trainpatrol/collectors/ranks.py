@@ -132,9 +132,8 @@ class RankCollector:
                     fam.add_sample(_HISTOGRAM + "_bucket", labels, count)
                 fam.add_sample(_HISTOGRAM + "_count", plain, counts[-1])
                 fam.add_sample(_HISTOGRAM + "_sum", plain, snap.histogram.sum)
-                run = (snap.namespace, snap.run)
-                summed, total = run_steps.get(run, ([0.0] * len(counts), 0.0))
-                run_steps[run] = ([a + b for a, b in zip(summed, counts, strict=True)], total + snap.histogram.sum)
+                summed, total = run_steps.get(of_run, ([0.0] * len(counts), 0.0))
+                run_steps[of_run] = ([a + b for a, b in zip(summed, counts, strict=True)], total + snap.histogram.sum)
             for fam, value in zip(liveness, (1.0 if row.up else 0.0, row.last_push, row.last_step_advance),
                                   strict=True):
                 fam.add_sample(fam.name, plain, value)

@@ -68,19 +68,17 @@ class Executor:
         """A ``checkpoint`` action's write left to a thread: (step, what makes it durable and returns what meta.json
         adds, meta, when the checkpoint began). Rank 0's staged replicated state, or every rank's staged shards."""
         self._writer: threading.Thread | None = None
-        self._reserved = False
+        self._reserved = not (facts.background_saves and facts.device.type == "cuda")  # nothing to pin ahead
         self._reserving: threading.Thread | None = None
 
     def reserve_staging(self) -> None:
-        """At a step boundary: once background saves are on, the state is on a GPU and the optimizer holds state,
-        a thread pins the host memory the first ``checkpoint`` stages into, once per run, so that checkpoint is held
-        only for the copy, not for pinning (slower than the copy by fifty times)."""
-        f, training = self.facts, self.training
-        if self._reserved or not (f.background_saves and f.device.type == "cuda"):
-            return
-        if not training.optimizer_has_state():
+        """At a step boundary after the first optimizer step (its state exists then), with background saves on a
+        GPU: a thread pins the host memory the first ``checkpoint`` stages into, once per run, so that checkpoint
+        is held only for the copy, not for pinning (slower than the copy by fifty times)."""
+        if self._reserved:
             return
         self._reserved = True
+        f, training = self.facts, self.training
         if training.sharded():  # DCP's stager keeps its buffers only by staging into them: one copy, discarded
             work: Callable[[], object] = partial(self._shard_writer.stage, training.sharded_state(), on_gpu=True)
         elif f.rank == 0:  # only rank 0 writes the replicated state

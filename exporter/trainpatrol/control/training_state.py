@@ -37,11 +37,6 @@ class TrainingState:
         return model is not None and (self._format == "dcp" or
                                       (self._format == "auto" and dcp_state.holds_dtensors(model)))
 
-    def optimizer_has_state(self) -> bool:
-        """Whether the optimizer holds per-parameter state (AdamW's moments exist after its first step)."""
-        optimizer = self._objects()["optimizer"]
-        return optimizer is not None and bool(optimizer.state)
-
     def sharded_state(self) -> dict[str, Any]:
         objects = self._objects()
         return dcp_state.state(objects["model"], objects["optimizer"])

@@ -105,7 +105,8 @@ class ControlLoop:
             if reason:
                 self.commands.request("checkpoint", reason, source="periodic")
         agreed = self._exchange()
-        self.executor.reserve_staging()
+        if recorder.totals.steps:
+            self.executor.reserve_staging()
         recorder.probe_since_step += time.perf_counter() - start
         if agreed is not None and agreed.commands:
             recorder.catch_up(wait=True)
