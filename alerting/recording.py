@@ -53,9 +53,50 @@ VAL_LOSS_RUN = "run:trainpatrol_validation_loss:avg"
 
 
 def group(cfg: Config) -> Group:
+    """Per-rank states and means, and the run medians the straggler and liveness alerts compare a rank with;
+    the join table from GPUs to ranks."""
     rank_on = rank_labels(cfg)
     run_on = run_labels(cfg)
     gpu_on = gpu_labels(cfg)
+
+    def s(metric: str, *matchers: str) -> str:
+        return sel(cfg, metric, *matchers)
+
+    with_gpu = s("trainpatrol_rank_info", 'gpu_uuid!=""')
+    rank_info = f'label_replace({with_gpu}, "uuid", "$1", "gpu_uuid", "(.+)")'
+    halted_state = s("trainpatrol_rank_state")
+    rules = (
+        # Ranks that do not train on purpose (or are gone): liveness and progress alerts skip them.
+        Recording(
+            RANK_HALTED,
+            f"max by ({rank_on}) (\n"
+            f"  {halted_state} >= {RANK_STATE_HALTED}\n  or\n"
+            f"  1 - {s('trainpatrol_rank_up')} > 0\n)",
+        ),
+        # Ranks that Patrol found stuck, by phase: RankHung names the odd one; other alerts look away.
+        Recording(RANK_STALLED, f"{s('trainpatrol_rank_stalled_phase')} > 0"),
+        Recording(RANK_ODD, _odd_ranks(run_on)),
+        Recording(
+            STEP_MEAN_RANK,
+            rate_ratio(cfg, "trainpatrol_step_duration_seconds_sum", "trainpatrol_step_duration_seconds_count", "5m"),
+        ),
+        Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
+        # Compute time apart from the waits: under DDP every rank waits for the slowest at the all-reduce, so
+        # step times even out; a slow rank's compute time still stands out from the run's median.
+        Recording(COMPUTE_MEDIAN_RUN, f"quantile by ({run_on}) (\n  0.5,\n{indent(compute_mean(cfg))}\n)"),
+        # The join table from GPUs to ranks: every rank on each GPU (alerting/promql.py, RANK_INFO).
+        *((_dcgm_join(cfg, with_gpu, rank_on), _dcgm_newest(cfg, with_gpu, rank_on)) if cfg.gpu_source == "dcgm"
+          else (_join(cfg, rank_info, gpu_on, rank_on),)),
+    )
+    return Group("trainpatrol-recording", rules)
+
+
+def run_group(cfg: Config) -> Group:
+    """The run's throughput, utilisation and loss, across its ranks: for dashboards and the slower alerts
+    (LossStagnation, ValLossDiverging). A group apart from the per-rank states and means that the fast alerts
+    read, so neither waits for the other; it reads the GPU join table one interval behind."""
+    run_on = run_labels(cfg)
+
     def s(metric: str, *matchers: str) -> str:
         return sel(cfg, metric, *matchers)
 
@@ -76,20 +117,7 @@ def group(cfg: Config) -> Group:
             f"  (sum by ({run_on}) (rate({s('trainpatrol_run_step_duration_seconds_count')}[5m])) > 0)\n)"
         )
 
-    with_gpu = s("trainpatrol_rank_info", 'gpu_uuid!=""')
-    rank_info = f'label_replace({with_gpu}, "uuid", "$1", "gpu_uuid", "(.+)")'
-    halted_state = s("trainpatrol_rank_state")
     rules = (
-        # Ranks that do not train on purpose (or are gone): liveness and progress alerts skip them.
-        Recording(
-            RANK_HALTED,
-            f"max by ({rank_on}) (\n"
-            f"  {halted_state} >= {RANK_STATE_HALTED}\n  or\n"
-            f"  1 - {s('trainpatrol_rank_up')} > 0\n)",
-        ),
-        # Ranks that Patrol found stuck, by phase: RankHung names the odd one; other alerts look away.
-        Recording(RANK_STALLED, f"{s('trainpatrol_rank_stalled_phase')} > 0"),
-        Recording(RANK_ODD, _odd_ranks(run_on)),
         # Time waiting for data over step time, of the whole run: above about 0.3 the GPUs starve (a rank's own is
         # its trainpatrol_loader_wait_ratio; TrainPatrolDataLoaderBound reads a 2 m ratio of its own).
         Recording(
@@ -103,17 +131,6 @@ def group(cfg: Config) -> Group:
         Recording(STEP_RATE_RUN, run_rate("trainpatrol_step_total", "max")),
         Recording("run:trainpatrol_step_duration_seconds:p50_rate5m", run_quantile(0.5)),
         Recording("run:trainpatrol_step_duration_seconds:p90_rate5m", run_quantile(0.9)),
-        Recording(
-            STEP_MEAN_RANK,
-            rate_ratio(cfg, "trainpatrol_step_duration_seconds_sum", "trainpatrol_step_duration_seconds_count", "5m"),
-        ),
-        Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
-        # Compute time apart from the waits: under DDP every rank waits for the slowest at the all-reduce, so
-        # step times even out; a slow rank's compute time still stands out from the run's median.
-        Recording(COMPUTE_MEDIAN_RUN, f"quantile by ({run_on}) (\n  0.5,\n{indent(compute_mean(cfg))}\n)"),
-        # The join table from GPUs to ranks: every rank on each GPU (alerting/promql.py, RANK_INFO).
-        *((_dcgm_join(cfg, with_gpu, rank_on), _dcgm_newest(cfg, with_gpu, rank_on)) if cfg.gpu_source == "dcgm"
-          else (_join(cfg, rank_info, gpu_on, rank_on),)),
         Recording(
             "run:trainpatrol_gpu_utilization_ratio:avg",
             f"avg by ({run_on}) (\n{indent(on_rank(cfg, gpu_utilization(cfg)))}\n)",
@@ -130,7 +147,7 @@ def group(cfg: Config) -> Group:
         Recording(LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_loss_window_mean')})"),
         Recording(VAL_LOSS_RUN, f"avg by ({run_on}) ({s('trainpatrol_validation_loss')})"),
     )
-    return Group("trainpatrol-recording", rules)
+    return Group("trainpatrol-run", rules)
 
 
 def achieved_flops(cfg: Config, window: str = "5m") -> str:

@@ -283,7 +283,11 @@ class RankSim:
         self.advance(time.time())
         values, n = self.values(), self.replay.samples
         self.seq += 1
-        return dict(self.fields, seq=self.seq, time=self.at, step=self.replay.steps[0] + int(self.pos),
+        # step_time: when its last step ended, as Patrol reports it (the recording's own would be long past, and the
+        # agent would then date every step to the rank's previous push: RankStalled at a push interval over 10 s).
+        step_time = self.at - (self.pos % 1.0) * self.tracks[self.track].step_seconds
+        return dict(self.fields, seq=self.seq, time=self.at, step_time=step_time,
+                    step=self.replay.steps[0] + int(self.pos),
                     samples=[{"name": name, "labels": lb, "value": v}
                              for name, lb, v in zip(self.replay.names, self.labels, values[:n], strict=True)],
                     histogram={"counts": values[n:-1], "sum": values[-1]})
@@ -542,6 +546,7 @@ class Watch:
     rule_samples: dict[str, list[float]] = field(default_factory=dict)
     """Each group's last evaluation time at every sample, for its median."""
     slowest_rules: dict[str, float] = field(default_factory=dict)
+    rule_evaluations: dict[str, list[float]] = field(default_factory=dict)
     """The most each rule's own evaluation took (/api/v1/rules), by group/rule name."""
     missed: dict[str, float] = field(default_factory=dict)
     named_by: dict[tuple[str, bool], list[str]] = field(default_factory=dict)
@@ -779,7 +784,9 @@ def sample_prometheus(prom: str, watch: Watch) -> None:
     for g in groups:
         for rule in g["rules"]:
             key = f"{g['name']}/{rule['name']}"
-            watch.slowest_rules[key] = max(watch.slowest_rules.get(key, 0.0), float(rule.get("evaluationTime", 0)))
+            seconds = float(rule.get("evaluationTime", 0))
+            watch.slowest_rules[key] = max(watch.slowest_rules.get(key, 0.0), seconds)
+            watch.rule_evaluations.setdefault(key, []).append(seconds)
     for labels, value in page.get("prometheus_rule_group_iterations_missed_total", []):
         watch.missed[labels.get("rule_group", "").rpartition(";")[2]] = value
     for name in ("prometheus_notifications_dropped_total", "prometheus_rule_evaluation_failures_total"):
@@ -833,8 +840,16 @@ def prometheus_report(watch: Watch, cpu: float, final: dict[str, float | None]) 
         "rule_group_last_duration_seconds_max": {g: round(v, 4) for g, v in sorted(watch.rule_seconds.items())},
         "rule_group_last_duration_seconds_median": {g: round(statistics.median(v), 4)
                                                     for g, v in sorted(watch.rule_samples.items())},
+        "rule_group_last_duration_seconds_p90": {g: round(statistics.quantiles(v, n=10)[-1], 4)
+                                                 for g, v in sorted(watch.rule_samples.items()) if len(v) > 1},
+        # The work of one round of every group: what the groups' split into several cannot hide.
+        "rule_groups_summed_seconds_median": round(sum(statistics.median(v) for v in watch.rule_samples.values()), 4),
         "slowest_rules_seconds_max": dict(sorted(((r, round(v, 4)) for r, v in watch.slowest_rules.items()),
                                                  key=lambda kv: -kv[1])[:12]),
+        # The max is one unlucky evaluation (a GC pause, a scrape landing at once); the median is the rule's cost.
+        "slowest_rules_seconds_median": dict(sorted(((r, round(statistics.median(v), 4))
+                                                     for r, v in watch.rule_evaluations.items()),
+                                                    key=lambda kv: -kv[1])[:20]),
         "rule_group_iterations_missed": {g: v for g, v in sorted(watch.missed.items()) if v},
         "rule_evaluation_failures": m.get("prometheus_rule_evaluation_failures_total"),
         "notifications_dropped": m.get("prometheus_notifications_dropped_total"),
