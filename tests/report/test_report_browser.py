@@ -12,7 +12,7 @@ from cdp_pipe import CHROMIUM, Chromium, png_size
 from report_run import NAN_AT, NAN_RANK, WORLD, heard_guard
 
 from trainpatrol.report import write_report
-from trainpatrol.report.incident import ALERT_FOR_GUARD
+from trainpatrol.report.bundle import ALERT_FOR_GUARD
 from trainpatrol.report.timeline import PANELS
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")

@@ -11,8 +11,7 @@ from typing import Any
 from ..actions import STOP_EXIT_CODE
 from ..loader_audit import ADVICE
 from ._html import details, esc, note, num, table
-from .bundle import Bundle, ranks_text
-from .incident import Incident
+from .bundle import Bundle, Incident, ranks_text
 from .runbook import lookup
 
 AUDIT_KEYS = ("loader_audit", "dataloader_audit")
