@@ -140,11 +140,8 @@ def _plot_rank(ax: Axes, panel: Panel, part: RankPart, color: str,
             continue
         if not math.isfinite(v):
             bad.append((s, v))
-            xs.append(s)
-            ys.append(math.nan)  # matplotlib breaks the line here: the gap is the point
-            continue
         xs.append(s)
-        ys.append(v)
+        ys.append(v if math.isfinite(v) else math.nan)  # matplotlib breaks the line at a NaN: the gap is the point
     finite = sum(1 for y in ys if math.isfinite(y))
     if finite:
         (line,) = ax.plot(xs, ys, color=color, linewidth=1.2, label=f"rank {part.rank}",
@@ -161,12 +158,10 @@ def _plot_rank(ax: Axes, panel: Panel, part: RankPart, color: str,
 def _label_nonfinite(ax: Axes, bad: dict[int, list[tuple[int, float]]], top: Transform) -> None:
     """One label per run of non-finite steps: what the value was and on which ranks."""
     for lo, hi in spans(list(bad)):
-        first = bad[lo]
-        kinds = sorted({value_label(v) for _, v in first})
+        kinds = sorted({value_label(v) for _, v in bad[lo]})
         ranks = sorted({r for s in range(lo, hi + 1) for r, _ in bad.get(s, [])})
         where = f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
-        who = ranks_text(ranks)
-        ax.text(lo, 0.84, f" {'/'.join(kinds)} at {where}, {who}", transform=top, color=NONFINITE_COLOR,
+        ax.text(lo, 0.84, f" {'/'.join(kinds)} at {where}, {ranks_text(ranks)}", transform=top, color=NONFINITE_COLOR,
                 fontsize=7.5, fontweight="bold", ha="left", va="top")
 
 
