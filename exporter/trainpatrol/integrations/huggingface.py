@@ -1,20 +1,8 @@
 """Hugging Face ``Trainer`` callback: ``Trainer(..., callbacks=[TrainPatrolCallback(run="my-run")])``.
 
-The Patrol is stepped once per optimizer step and acts at the step's end, through the Trainer's own
-control flags where they fit. What it reads, all without a host-device sync of its own:
-
-- loss: what the model returns for the step's micro-batches, caught by a forward hook and reduced
-  the way the Trainer reduces it; it stays on the device and Patrol reads it one step late. The
-  Trainer's NaN filter (``logging_nan_inf_filter``) does not hide a NaN from Patrol's guards.
-- grad norm (pre-clip) and learning rate: the Trainer's own values, on steps it logs; with
-  ``logging_steps=1`` every step has them. Other steps carry no grad norm.
-- samples and tokens: the batch shape of ``input_ids``; loader wait: the time between the Trainer's
-  previous hook and ``on_step_begin``, which is where it fetches batches.
-
-Actions: ``checkpoint`` writes Patrol's checkpoint and sets ``control.should_save`` so the Trainer writes
-its resumable ``checkpoint-N`` at the same step; ``pause`` blocks in the callback until ``resume``;
-``stop`` checkpoints both ways, then raises ``SystemExit(86)`` (``trainpatrol.STOP_EXIT_CODE``) once the
-Trainer has saved: resume with ``trainer.train(resume_from_checkpoint=...)``.
+The Patrol is stepped once per optimizer step and acts at the step's end, through the Trainer's own control
+flags where they fit; what it reads (without a host-device sync of its own) and how each action maps onto the
+Trainer is in docs/integrations.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """Lightning callback: ``Trainer(..., callbacks=[TrainPatrolCallback(run="my-run")])``, DDP included.
 
-The Patrol is stepped once per optimizer step, in ``on_train_batch_end``, and acts right after. What
-it reads, all without a host-device sync of its own:
-
-- loss: the ``loss`` that ``training_step`` returned, summed over the step's accumulated batches
-  (Lightning divides each by ``accumulate_grad_batches``); it stays on the device and Patrol reads it
-  one step late;
-- grad norm: the pre-clip global L2 norm (``torch._foreach_norm``), taken in ``on_before_optimizer_step``;
-- learning rates: every optimizer's param groups as the step used them (schedulers step later);
-- samples and tokens: the batch's first dimension (tokens: ``input_ids`` of a dict batch); loader wait:
-  the time between the previous batch's end and ``on_train_batch_start``, where Lightning fetches;
-- validation loss: ``trainer.callback_metrics[val_loss_key]`` after each validation;
-- model FLOPs for MFU: the LightningModule's ``flops_per_batch`` (as Lightning's ``ThroughputMonitor`` reads it,
-  typically set from ``lightning.fabric.utilities.measure_flops`` on a meta-device copy) times
-  ``accumulate_grad_batches``, unless the config gives ``flops_per_token`` or ``flops_per_step``.
-
-Actions: ``checkpoint`` writes Patrol's checkpoint and ``trainer.save_checkpoint`` (a resumable
-``trainpatrol-step=N.ckpt`` beside ModelCheckpoint's); ``pause`` blocks in the callback until ``resume``
-(DDP ranks wait outside any collective); ``stop`` checkpoints both ways and raises ``SystemExit(86)``
-(``trainpatrol.STOP_EXIT_CODE``): resume with ``trainer.fit(model, ckpt_path=...)``.
-
-Exact resume: pass ``train_dataloaders=callback.loader(dataloader)``. Lightning then saves the loader's
-position and RNG in its checkpoint and ``fit(ckpt_path=...)`` continues a shuffled loader mid-epoch bit for
-bit (a plain DataLoader restarts its epoch in a new order). Lightning does not add a DistributedSampler to
-the wrapped loader: under DDP give it one yourself.
-
-Under DDP, pass a config (not a Patrol built before ``fit``): the Patrol is built in ``on_train_start``,
-once ``torch.distributed`` is up, so its coordinator makes every rank act at the same step.
+The Patrol is stepped once per optimizer step, in ``on_train_batch_end``, and acts right after; what it reads
+(without a host-device sync of its own), how each action maps onto Lightning and how to resume exactly
+(``callback.loader``) is in docs/integrations.md. Under DDP, pass a config (not a Patrol built before ``fit``):
+the Patrol is built in ``on_train_start``, once ``torch.distributed`` is up, so every rank acts at the same step.
 """
 
 from __future__ import annotations
