@@ -40,7 +40,7 @@ from overhead import GPT
 
 from trainpatrol import Patrol, PatrolConfig
 from trainpatrol.control import checkpoint as ckpt
-from trainpatrol.control.staging import Stager
+from trainpatrol.control.state_file import Stager
 
 
 def sync(device: torch.device) -> None:

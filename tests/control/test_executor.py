@@ -12,11 +12,10 @@ import torch
 from trainpatrol.actions import STOP_EXIT_CODE
 from trainpatrol.control import state_file
 from trainpatrol.control.checkpoint import Checkpointer, temp_path
-from trainpatrol.control.commands import CommandBook
+from trainpatrol.control.commands import CommandBook, RunRecord
 from trainpatrol.control.coordinator import Agreement, Coordinator
-from trainpatrol.control.evidence_writer import EvidenceWriter
+from trainpatrol.control.evidence import EvidenceWriter
 from trainpatrol.control.executor import Executor, RankFacts
-from trainpatrol.control.run_record import RunRecord
 from trainpatrol.control.training_state import TrainingState
 
 

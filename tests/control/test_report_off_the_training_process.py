@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from servers import python_env
-from trainpatrol.control.evidence_writer import REPORTS_WAITING, EvidenceWriter
+from trainpatrol.control.evidence import REPORTS_WAITING, EvidenceWriter
 
 SCRIPT = """
 import json, sys, torch

@@ -25,11 +25,10 @@ import torch
 from ..actions import PRIORITY, STOP_EXIT_CODE
 from . import checkpoint as ckpt
 from . import sharded
-from .commands import CommandBook
+from .commands import CommandBook, RunRecord
 from .coordinator import Agreement, Coordinator
-from .evidence_writer import EvidenceWriter
-from .run_record import RunRecord
-from .staging import Stager
+from .evidence import EvidenceWriter
+from .state_file import Stager
 from .training_state import TrainingState
 
 log = logging.getLogger("trainpatrol")

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..control.checkpoint import Checkpointer
-from ..control.commands import CommandBook
+from ..control.commands import CommandBook, RunRecord
 from ..control.coordinator import Agreement, Coordinator, encode
-from ..control.evidence_writer import EvidenceWriter
+from ..control.evidence import EvidenceWriter
 from ..control.executor import Executor, RankFacts
-from ..control.run_record import RunRecord
 from ..control.training_state import TrainingState
 from .config import PatrolConfig
 from .identity import Identity

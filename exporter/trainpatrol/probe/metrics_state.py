@@ -9,7 +9,7 @@ from typing import Any
 
 from ..actions import ACTIONS, RUN_STATES
 from ..catalogue import STEP_DURATION_BUCKETS, P
-from ..control.run_record import RunRecord
+from ..control.commands import RunRecord
 from ..loader_audit import LoaderAudit
 from .guards import GUARDS
 from .host_memory import HostMemoryReading

@@ -20,11 +20,9 @@ import torch
 
 from ..actions import ACTIONS
 from ..control.checkpoint import Checkpointer, Restored
-from ..control.commands import CommandBook
+from ..control.commands import CommandBook, RunRecord
 from ..control.coordinator import Coordinator
-from ..control.evidence import fetch_nvml, set_recording
-from ..control.evidence_writer import EvidenceWriter
-from ..control.run_record import RunRecord
+from ..control.evidence import EvidenceWriter, fetch_nvml, set_recording
 from ..control.training_state import STATEFUL, TrainingState
 from ..protocol import ActionRecord
 from . import fork_guard

@@ -13,8 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..control.evidence_writer import EvidenceWriter
-from ..control.run_record import RunRecord
+from ..control.commands import RunRecord
+from ..control.evidence import EvidenceWriter
 from ..loader_audit import LoaderAudit, audit
 from .config import PatrolConfig
 from .flops import peak_flops

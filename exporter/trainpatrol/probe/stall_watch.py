@@ -24,9 +24,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..control.commands import CommandBook
-from ..control.evidence_writer import EvidenceWriter
-from ..control.run_record import RunRecord
+from ..control.commands import CommandBook, RunRecord
+from ..control.evidence import EvidenceWriter
 from .collective_trace import behind_ranks, collective_trace
 from .step_recorder import StepRecorder
 
