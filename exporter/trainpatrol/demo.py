@@ -200,14 +200,12 @@ def _auto_resume(agent_url: str, run: str, after: float, stop: threading.Event, 
         _say(f"run {run} is paused {where}")
         if after <= 0:
             _say(f"inspect it (`trainpatrol status --agent {agent_url}`), then run `{resume}`.")
-            while not stop.wait(0.25) and _run_state(agent_url, run, token) == "paused":
-                pass
-            continue
-        _say(f"inspect it, e.g. `trainpatrol status --agent {agent_url}`. Resuming in {after:g} s "
-             f"as if you ran `{resume}`.")
-        if stop.wait(after):
-            return
-        _call(agent_url, f"/v1/runs/{run}/actions", token, {"action": "resume", "reason": "demo auto-resume"})
+        else:
+            _say(f"inspect it, e.g. `trainpatrol status --agent {agent_url}`. Resuming in {after:g} s "
+                 f"as if you ran `{resume}`.")
+            if stop.wait(after):
+                return
+            _call(agent_url, f"/v1/runs/{run}/actions", token, {"action": "resume", "reason": "demo auto-resume"})
         while not stop.wait(0.25) and _run_state(agent_url, run, token) == "paused":
             pass
 

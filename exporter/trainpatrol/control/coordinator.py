@@ -75,7 +75,7 @@ class Coordinator:
             self._event = torch.cuda.Event()
             self._event.record()
         if agreed is not None:
-            step_seconds = max(agreed_step_seconds(self._last_word), 1e-4)
+            step_seconds = max(self._last_word[STEP_TIME_SLOT] / 1e6, 1e-4)  # the agreed (slowest) step time
             self.interval = max(self.min_interval, min(self.max_interval, round(self.target_seconds / step_seconds)))
         self.next_exchange = step + self.interval
         return agreed
@@ -115,7 +115,3 @@ class Coordinator:
         t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
-
-
-def agreed_step_seconds(word: list[int]) -> float:
-    return word[STEP_TIME_SLOT] / 1e6 if word else 0.0
