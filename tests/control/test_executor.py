@@ -11,12 +11,11 @@ import torch
 
 from trainpatrol.actions import STOP_EXIT_CODE
 from trainpatrol.control import state_file
-from trainpatrol.control.checkpoint import Checkpointer, temp_path
+from trainpatrol.control.checkpoint import Checkpointer, TrainingState, temp_path
 from trainpatrol.control.commands import CommandBook, RunRecord
 from trainpatrol.control.coordinator import Agreement, Coordinator
 from trainpatrol.control.evidence import EvidenceWriter
 from trainpatrol.control.executor import Executor, RankFacts
-from trainpatrol.control.training_state import TrainingState
 
 
 class OneRank:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -243,10 +243,6 @@ def describe_nonfinite(meta: dict[str, Any]) -> str:
     return f"{count} non-finite tensor{'s' if count != 1 else ''} ({shown})"
 
 
-def size_on_disk(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep_last: int = 3, keep_pinned: int = 8) -> None:
         self.directory = Path(directory)
@@ -261,7 +257,7 @@ class Checkpointer:
         last = self.latest()
         if last is None:
             return
-        need = size_on_disk(last)
+        need = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
         free = shutil.disk_usage(self.directory).free
         if free < need:
             raise OSError(errno.ENOSPC, f"not enough free space for a checkpoint: {free / 2**20:.1f} MiB free, the "
@@ -305,8 +301,7 @@ class Checkpointer:
         target = self.path_for(step)
         if (target / "meta.json").exists():
             return
-        names = [f"rank-{rank:05d}.pt"] + ([state_file.NAME] if rank == 0 else [])
-        for name in names:
+        for name in [f"rank-{rank:05d}.pt"] + ([state_file.NAME] if rank == 0 else []):
             (target / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             target.rmdir()
@@ -338,8 +333,7 @@ class Checkpointer:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, finite or not."""
-        done = self.complete()
-        return done[-1] if done else None
+        return next(reversed(self.complete()), None)
 
     def latest_finite(self) -> tuple[Path | None, list[str]]:
         """The newest complete checkpoint whose state is finite (or was written before that was recorded),
@@ -361,10 +355,7 @@ class Checkpointer:
 
     def best(self) -> Path | None:
         """The newest checkpoint written for a best validation loss."""
-        for path in reversed(self.complete()):
-            if read_meta(path).get("best") is not None:
-                return path
-        return None
+        return next((p for p in reversed(self.complete()) if read_meta(p).get("best") is not None), None)
 
     def _rotate(self, keep: Path) -> None:
         metas = [(p, read_meta(p)) for p in self.complete()]
@@ -401,3 +392,67 @@ def load(path: Path, rank: int, map_location: str | torch.device = "cpu") -> tup
     rank_file = path / f"rank-{rank:05d}.pt"
     per_rank = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else {}
     return meta, replicated, per_rank
+
+
+STATEFUL = ("model", "optimizer", "scheduler", "scaler")
+
+
+class LoaderPosition(Protocol):
+    def state(self) -> dict[str, Any] | None: ...
+
+    def restore(self, state: dict[str, Any] | None, restore_rng: Callable[[], None]) -> int: ...
+
+
+class TrainingState:
+    """What a checkpoint holds of the training: the replicated state (model, optimizer, scheduler, scaler), and
+    per rank the RNG, the loader's position and the caller's extra state. A sharded model's and its optimizer's
+    state goes through torch.distributed.checkpoint instead (``sharded``), every rank its shards."""
+
+    def __init__(self, objects: Callable[[], dict[str, Any]], loader: LoaderPosition,
+                 extra_state: Callable[[], dict[str, Any]] | None = None,
+                 load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+                 checkpoint_format: str = "auto") -> None:
+        self._objects, self._loader = objects, loader
+        self._format = checkpoint_format
+        self.extra_state, self.load_extra_state = extra_state, load_extra_state
+        self.best_pending: float | None = None
+        """A new best validation loss that the next checkpoint is marked with."""
+
+    def sharded(self) -> bool:
+        """Whether the model and optimizer state is saved as shards, by every rank (the same on every rank)."""
+        model = self._objects()["model"]
+        return model is not None and (self._format == "dcp" or
+                                      (self._format == "auto" and sharded.holds_dtensors(model)))
+
+    def sharded_state(self) -> dict[str, Any]:
+        objects = self._objects()
+        return sharded.state(objects["model"], objects["optimizer"])
+
+    def load_sharded(self, where: Path) -> None:
+        objects = self._objects()
+        sharded.load(where, objects["model"], objects["optimizer"])
+
+    def replicated(self, step: int, *, sharded: bool = False) -> dict[str, Any]:
+        """What rank 0 saves whole: all of it, or (``sharded``) all but the model and optimizer."""
+        state: dict[str, Any] = {"step": step}
+        for name, obj in self._objects().items():
+            if obj is not None and not (sharded and name in ("model", "optimizer")):
+                state[name] = obj.state_dict()
+        return state
+
+    def per_rank(self, step: int) -> dict[str, Any]:
+        return {"step": step, "rng": rng_state(), "loader": self._loader.state(),
+                "extra": self.extra_state() if self.extra_state is not None else None}
+
+    def load(self, replicated: dict[str, Any], per_rank: dict[str, Any]) -> int:
+        """Loads what the checkpoint holds; returns the loader's epoch."""
+        for name, obj in self._objects().items():
+            if obj is not None and name in replicated:
+                obj.load_state_dict(replicated[name])
+        if "rng" in per_rank:
+            set_rng_state(per_rank["rng"])
+        # the loader replays its epoch's start from its own RNG, then the checkpoint's RNG is set again
+        epoch = self._loader.restore(per_rank.get("loader"), lambda: set_rng_state(per_rank["rng"]))
+        if self.load_extra_state is not None and per_rank.get("extra") is not None:
+            self.load_extra_state(per_rank["extra"])
+        return epoch

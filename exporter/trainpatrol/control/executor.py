@@ -29,7 +29,6 @@ from .commands import CommandBook, RunRecord
 from .coordinator import Agreement, Coordinator
 from .evidence import EvidenceWriter
 from .state_file import Stager
-from .training_state import TrainingState
 
 log = logging.getLogger("trainpatrol")
 
@@ -51,7 +50,7 @@ class RankFacts:
 
 class Executor:
     def __init__(self, facts: RankFacts, *, checkpointer: ckpt.Checkpointer, coordinator: Coordinator,
-                 commands: CommandBook, record: RunRecord, evidence: EvidenceWriter, training: TrainingState,
+                 commands: CommandBook, record: RunRecord, evidence: EvidenceWriter, training: ckpt.TrainingState,
                  control_word: Callable[[], list[int]], announce: Callable[[], object],
                  context: Callable[[], dict[str, Any]], rearm_guards: Callable[[], None]) -> None:
         """``control_word``: this rank's word for the next exchange; ``announce``: push the state now;

@@ -7,12 +7,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..control.checkpoint import Checkpointer
+from ..control.checkpoint import Checkpointer, TrainingState
 from ..control.commands import CommandBook, RunRecord
 from ..control.coordinator import Agreement, Coordinator, encode
 from ..control.evidence import EvidenceWriter
 from ..control.executor import Executor, RankFacts
-from ..control.training_state import TrainingState
 from .config import PatrolConfig
 from .identity import Identity
 from .step_recorder import StepRecorder

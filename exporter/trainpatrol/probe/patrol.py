@@ -19,11 +19,10 @@ from typing import Any, TypeVar
 import torch
 
 from ..actions import ACTIONS
-from ..control.checkpoint import Checkpointer, Restored
+from ..control.checkpoint import STATEFUL, Checkpointer, Restored, TrainingState
 from ..control.commands import CommandBook, RunRecord
 from ..control.coordinator import Coordinator
 from ..control.evidence import EvidenceWriter, fetch_nvml, set_recording
-from ..control.training_state import STATEFUL, TrainingState
 from ..protocol import ActionRecord
 from . import fork_guard
 from .collective_trace import enable_flight_recorder
