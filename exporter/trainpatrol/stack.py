@@ -87,10 +87,7 @@ def alertmanager_config(template: str, webhook_url: str, credentials_file: Path 
 
 
 def _routes(route: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [route]
-    for child in route.get("routes", []):
-        out.extend(_routes(child))
-    return out
+    return [route, *(r for child in route.get("routes", []) for r in _routes(child))]
 
 
 def prometheus_config(targets: list[str], rule_files: list[Path], alertmanager: str, interval: str = "1s") -> str:
@@ -122,10 +119,8 @@ class StackConfig:
     prometheus_port: int = PROMETHEUS_PORT
     alertmanager_port: int = ALERTMANAGER_PORT
     """Preferred ports; a busy one is replaced by a free one."""
-    profile: str = "fast"
     interval: str = "1s"
     """Scrape and rule-evaluation interval."""
-    agent_args: tuple[str, ...] = ()
     start_timeout_seconds: float = 30.0
 
 
@@ -138,7 +133,7 @@ class Stack:
         self.dir = Path(config.workdir).resolve() / "stack"
         self.token = secrets.token_urlsafe(32)
         self.agent_url = self.prometheus_url = self.alertmanager_url = ""
-        self.rules_file = self.dir / ("rules.yml" if config.profile == "default" else f"rules-{config.profile}.yml")
+        self.rules_file = self.dir / "rules-fast.yml"
         self._private: Path | None = None
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
@@ -159,8 +154,8 @@ class Stack:
             agent_port = port_or_free(cfg.agent_port)
             self.agent_url = f"http://127.0.0.1:{agent_port}"
             self._spawn("agent", [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1",
-                                  "--port", str(agent_port), "--token-file", str(self.token_file),
-                                  *cfg.agent_args], self.agent_url + "/healthz")
+                                  "--port", str(agent_port), "--token-file", str(self.token_file)],
+                        self.agent_url + "/healthz")
             am_port = port_or_free(cfg.alertmanager_port)
             self.alertmanager_url = f"http://127.0.0.1:{am_port}"
             am_yml = self.dir / "alertmanager.yml"

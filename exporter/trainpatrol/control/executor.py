@@ -264,16 +264,15 @@ class Executor:
                 facts["best"] = {"validation_loss": best}
         ok = self.coordinator.all_true(not error)
         path = str(checkpointer.path_for(step))
+        meta = {"world_size": self.facts.world_size, "pinned": pinned, "run": self.facts.run, "reason": reason, **facts}
         if ok and staged is not None:
-            self._staged = (step, staged, {"world_size": self.facts.world_size, "pinned": pinned,
-                                           "run": self.facts.run, "reason": reason, **facts}, began)
+            self._staged = (step, staged, meta, began)
             return True, path, "writing in the background", facts
         if ok and rank == 0:
             try:
                 layout = {"format": "dcp", "dcp": shard_dir,
                           "shards": sharded.files(checkpointer.path_for(step) / shard_dir)} if shards else {}
-                checkpointer.commit(step, {"world_size": self.facts.world_size, "pinned": pinned,
-                                           "run": self.facts.run, "reason": reason, **facts, **layout})
+                checkpointer.commit(step, {**meta, **layout})
             except Exception as exc:
                 ok, detail = False, f"rank 0: checkpoint commit failed: {exc}"
                 log.error("trainpatrol: %s", detail)
