@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import takewhile
 from typing import Any
 
 from ..actions import STOP_EXIT_CODE
@@ -36,9 +37,5 @@ def boundary(patrol: Patrol) -> tuple[bool, bool]:
         if exc.code != STOP_EXIT_CODE:
             raise
         return True, False
-    checkpointed = False
-    for rec in reversed(patrol.actions):
-        if rec is before:
-            break
-        checkpointed |= rec.action == "checkpoint" and rec.outcome == "ok"
-    return False, checkpointed
+    new = takewhile(lambda rec: rec is not before, reversed(patrol.actions))
+    return False, any(rec.action == "checkpoint" and rec.outcome == "ok" for rec in new)
