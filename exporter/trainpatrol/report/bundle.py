@@ -88,7 +88,8 @@ class Bundle:
 
     @property
     def action(self) -> str:
-        return str(self.manifest.get("action") or _action_from_name(self.path.name) or "unknown action")
+        m = re.search(r"-step\d+-(\w+)$", self.path.name)  # the bundle's name, where the manifest is lost
+        return str(self.manifest.get("action") or (m.group(1) if m else "") or "unknown action")
 
     @property
     def step(self) -> int | None:
@@ -105,11 +106,6 @@ class Bundle:
 
     def files(self) -> list[str]:
         return sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file())
-
-
-def _action_from_name(name: str) -> str:
-    m = re.search(r"-step\d+-(\w+)$", name)
-    return m.group(1) if m else ""
 
 
 def _read_json(path: Path, notes: list[str], *, required: bool = True) -> Any:
