@@ -1,4 +1,4 @@
-"""The /metrics body at 64 ranks, written by prometheus_client and by collectors.text_format, in one
+"""The /metrics body at 64 ranks, written by prometheus_client and by collectors.registry, in one
 process: what a scrape costs apart from HTTP. Each rank's snapshot is a real Patrol's (bench/scrape.py),
 moved as a second of training moves it between two bodies, so nothing is reused that a real scrape
 could not reuse. Prints JSON: median milliseconds over ``--rounds`` of each part.
@@ -27,7 +27,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 from trainpatrol.collectors.ranks import RankCollector
-from trainpatrol.collectors.text_format import text_format
+from trainpatrol.collectors.registry import text_format
 from trainpatrol.protocol import RankSnapshot
 
 

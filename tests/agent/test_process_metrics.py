@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exposition_check import Watched, assert_clean, text
 from servers import agent, http_get
-from trainpatrol.collectors.process_self import ProcessMetrics
+from trainpatrol.collectors.registry import ProcessMetrics
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 NAMES = ("process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds_total",

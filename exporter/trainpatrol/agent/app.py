@@ -10,9 +10,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..collectors.process_self import ProcessMetrics
 from ..collectors.ranks import RankCollector
-from ..collectors.registry import Collector, Registry
+from ..collectors.registry import Collector, ProcessMetrics, Registry
 from ..protocol import Command, RankSnapshot
 from .alerts import Deduper, Webhooks
 from .auth import Edge, HostCheck, PushProof

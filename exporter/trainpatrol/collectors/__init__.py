@@ -1,2 +1,2 @@
-"""The agent's collectors, one file each: prometheus_client collectors that also say cheaply when
-they have something new (``version``); collectors.registry writes /metrics from them."""
+"""The agent's collectors: prometheus_client collectors that also say cheaply when they have something
+new (``version``); collectors.registry writes /metrics from them."""

@@ -1,26 +1,22 @@
-"""Serves the ranks' pushed series, plus the liveness the agent derives from them and the run-level series.
+"""Serves the ranks' pushed series, the liveness the agent derives from them, and the run-level series.
 
-Yields the ``source="rank"`` metrics of the catalogue that some rank pushed, with ``run`` and ``rank`` labels
-(and the workload labels a rank has), then ``trainpatrol_rank_up``,
-``trainpatrol_rank_last_push_timestamp_seconds`` and ``trainpatrol_rank_last_step_timestamp_seconds``, then
-once per run what is the same on its ranks or sums over them: ``trainpatrol_run_actions_total``,
-``trainpatrol_run_step_duration_seconds`` and ``trainpatrol_run_learning_rate``. At the ``standard`` series level
-(the default) a rank's series stay within ``catalogue.SERIES_BUDGET``: the ``FULL_ONLY`` metrics are left out,
-a rank's step-duration histogram is served as a summary (``_sum`` and ``_count``, no buckets) and the
-``NONZERO_ONLY`` series only while not 0; ``full`` serves everything.
-A prometheus_client collector: the agent's /metrics writes it in either format (collectors.health).
+The catalogue's rank metrics that some rank pushed, with ``run``, ``rank`` and the rank's workload labels; then
+each rank's liveness series; then once per run what is the same on its ranks or sums over them. At the
+``standard`` series level a rank stays within ``catalogue.SERIES_BUDGET``: no ``FULL_ONLY`` metrics, its
+step-duration histogram as a summary, ``NONZERO_ONLY`` series only while not 0; ``full`` serves everything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 from prometheus_client.metrics_core import Metric
 
 from ..catalogue import AGENT_METRICS, BY_NAME, FULL_ONLY, NONZERO_ONLY, RANK_METRICS, STEP_DURATION_BUCKETS, P
+from ..catalogue import Metric as CatalogueMetric
 from ..protocol import RankSnapshot
-from .text_format import Labels
+from .registry import Labels
 
 WORKLOAD_LABELS = ("namespace", "pod", "container", "node")
 """The training process's own Kubernetes identity, on every series of its rank when it has one."""
@@ -138,32 +134,30 @@ class RankCollector:
                                   strict=True):
                 fam.add_sample(fam.name, plain, value)
         yield from (f for f in (*families.values(), *liveness) if f.samples)
-        yield from _run_families(run_actions, run_steps, restarts)
-        if learning_rates:
-            fam = _RUN_LR.family()
-            for (namespace, run_name, param_group), (_, value) in sorted(learning_rates.items()):
-                fam.add_sample(_RUN_LR.name, _run_labels(namespace, run_name, param_group=param_group), value)
-            yield fam
-        yield from _flops_families(flops)
+        yield from _run_families(run_actions, run_steps, restarts, learning_rates, flops)
 
 
 def _run_labels(namespace: str, run: str, **more: str) -> dict[str, str]:
     return _sorted(({"namespace": namespace} if namespace else {}) | {"run": run} | more)
 
 
+def _filled(spec: CatalogueMetric, rows: Iterable[tuple[dict[str, str], float]]) -> Iterator[Metric]:
+    """``spec``'s family with these (labels, value) samples, if there are any."""
+    fam = spec.family()
+    for labels, value in rows:
+        fam.add_sample(spec.name, labels, value)
+    if fam.samples:
+        yield fam
+
+
 def _run_families(actions: dict[tuple[str, ...], float], steps: dict[tuple[str, str], tuple[list[float], float]],
-                  restarts: dict[tuple[str, str], float]) -> Iterator[Metric]:
-    """Once per run: its actions (the most any rank reports), its restarts, its ranks' step histograms summed."""
-    if actions:
-        fam = _RUN_ACTIONS.family()
-        for (namespace, run, action, outcome), value in sorted(actions.items()):
-            fam.add_sample(_RUN_ACTIONS.name, _run_labels(namespace, run, action=action, outcome=outcome), value)
-        yield fam
-    if restarts:
-        fam = _RUN_RESTARTS.family()
-        for (namespace, run), count in sorted(restarts.items()):
-            fam.add_sample(_RUN_RESTARTS.name, _run_labels(namespace, run), count)
-        yield fam
+                  restarts: dict[tuple[str, str], float], learning_rates: dict[tuple[str, str, str], tuple[int, float]],
+                  flops: dict[tuple[str, str], tuple[float, float, float, str]]) -> Iterator[Metric]:
+    """Once per run: its actions and restarts (the most any rank reports), its ranks' step histograms summed, its
+    learning rates (the lowest rank's), and what its FLOP/s and MFU are worked out from (alerting/recording.py)."""
+    yield from _filled(_RUN_ACTIONS, ((_run_labels(ns, run, action=action, outcome=outcome), value)
+                                      for (ns, run, action, outcome), value in sorted(actions.items())))
+    yield from _filled(_RUN_RESTARTS, ((_run_labels(*run), count) for run, count in sorted(restarts.items())))
     if steps:
         fam = _RUN_HISTOGRAM.family()
         name = _RUN_HISTOGRAM.name
@@ -173,6 +167,14 @@ def _run_families(actions: dict[tuple[str, ...], float], steps: dict[tuple[str, 
             fam.add_sample(name + "_count", _run_labels(namespace, run), counts[-1])
             fam.add_sample(name + "_sum", _run_labels(namespace, run), total)
         yield fam
+    yield from _filled(_RUN_LR, ((_run_labels(ns, run, param_group=group), value)
+                                 for (ns, run, group), (_, value) in sorted(learning_rates.items())))
+    per_token, per_step, peak = _RUN_FLOPS
+    runs = sorted(flops.items())
+    yield from _filled(per_token, ((_run_labels(*run), token) for run, (token, _, _, _) in runs if token))
+    yield from _filled(per_step, ((_run_labels(*run), step) for run, (token, step, _, _) in runs if step and not token))
+    yield from _filled(peak, ((_run_labels(*run, dtype=dtype or "unknown"), device_peak)
+                              for run, (_, _, device_peak, dtype) in runs if device_peak))
 
 
 def _most(held: tuple[float, float, float, str] | None, snap: RankSnapshot) -> tuple[float, float, float, str]:
@@ -184,19 +186,6 @@ def _most(held: tuple[float, float, float, str] | None, snap: RankSnapshot) -> t
     if snap.peak_flops and (not peak or snap.peak_flops < peak):
         peak, dtype = snap.peak_flops, snap.compute_dtype
     return max(held[0], snap.model_flops_per_token), max(held[1], snap.model_flops_per_step), peak, dtype
-
-
-def _flops_families(flops: dict[tuple[str, str], tuple[float, float, float, str]]) -> Iterator[Metric]:
-    """Once per run: what its achieved FLOP/s and MFU are worked out from (alerting/recording.py)."""
-    per_token, per_step, peak = (spec.family() for spec in _RUN_FLOPS)
-    for (namespace, run), (token, step, device_peak, dtype) in sorted(flops.items()):
-        if token:
-            per_token.add_sample(per_token.name, _run_labels(namespace, run), token)
-        elif step:
-            per_step.add_sample(per_step.name, _run_labels(namespace, run), step)
-        if device_peak:
-            peak.add_sample(peak.name, _run_labels(namespace, run, dtype=dtype or "unknown"), device_peak)
-    yield from (f for f in (per_token, per_step, peak) if f.samples)
 
 
 def _sorted(labels: dict[str, str]) -> dict[str, str]:

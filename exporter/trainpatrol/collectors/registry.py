@@ -3,28 +3,29 @@
 Each collector is a prometheus_client collector (``collect()``) that also says, cheaply, when it would
 give something new (``version()``). A collector is collected again only when its version moved, a
 failing one gives nothing and fails no scrape, and the body is written once per format for each
-state of the collectors: the text format (collectors.text_format, as ``generate_latest`` writes it)
-to every scraper that accepts it, Prometheus included; OpenMetrics, by prometheus_client, to one
-that asks for OpenMetrics alone; gzip when accepted. Emits ``trainpatrol_collector_success{collector}``
-and ``trainpatrol_collector_duration_seconds{collector}``.
+state of the collectors: the text format (``text_format``) to every scraper that accepts it, Prometheus
+included; OpenMetrics, by prometheus_client, to one that asks for OpenMetrics alone; gzip when accepted.
+Emits ``trainpatrol_collector_success{collector}`` and ``trainpatrol_collector_duration_seconds{collector}``.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import logging
 import threading
 import time
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, gzip_accepted
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from ..catalogue import BY_NAME
-from .text_format import text_format
 
 log = logging.getLogger(__name__)
 _SUCCESS, _DURATION = "trainpatrol_collector_success", "trainpatrol_collector_duration_seconds"
@@ -128,3 +129,67 @@ class Registry:
         if key not in self._logged:
             self._logged.add(key)
             log.warning("collector %s failed: %s", name, key[1])
+
+
+class ProcessMetrics:
+    """The agent process's own ``process_*`` metrics: prometheus_client's process collector, read at most
+    once a second (it reads /proc; where there is none, it gives nothing)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._collector = ProcessCollector(registry=None)
+        self._clock = clock
+
+    def version(self) -> Hashable:
+        return int(self._clock())
+
+    def collect(self) -> Iterable[Metric]:
+        return self._collector.collect()
+
+
+# The text format (0.0.4) as prometheus_client's ``generate_latest`` writes it, but with each series'
+# ``name{labels}`` head written once and kept: between scrapes only the values change. Escaping every label
+# at every scrape took 38 ms at 64 ranks, this about 8 ms (docs/benchmarks.md); tests/exposition_check.py
+# holds it to ``generate_latest`` byte for byte.
+_EXPOSED = {"counter": ("_total", "counter"), "info": ("_info", "gauge"), "stateset": ("", "gauge"),
+            "gaugehistogram": ("", "histogram"), "unknown": ("", "untyped")}
+
+
+class Labels(dict[str, str]):
+    """A series' labels with their block as the text format writes it (``a="x",b="y"``), made once for a
+    collector that keeps its labels between scrapes (collectors.ranks); other writers read it as a dict."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        super().__init__(labels)
+        self.block = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+
+
+def text_format(families: Iterable[Metric]) -> bytes:
+    out: list[str] = []
+    for family in families:
+        suffix, kind = _EXPOSED.get(family.type, ("", family.type))
+        out.append(_header(family.name + suffix, kind, family.documentation))
+        for s in family.samples:
+            if s.timestamp is not None or s.name.endswith(("_created", "_gsum", "_gcount")):
+                raise ValueError(f"{s.name}: timestamps and OpenMetrics-only samples are not written here")
+            block = getattr(s.labels, "block", None)
+            head = f"{s.name}{{{block}}} " if block else _head(s.name, tuple(s.labels.items()))
+            out.append(f"{head}{floatToGoString(s.value)}\n")
+    return "".join(out).encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _header(name: str, kind: str, help_: str) -> str:
+    escaped = help_.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {escaped}\n# TYPE {name} {kind}\n"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _head(name: str, labels: tuple[tuple[str, str], ...]) -> str:
+    """A series' line up to its value; the cache is bounded (the agent's series are: agent.limits)."""
+    return f"{name}{{{Labels(dict(labels)).block}}} " if labels else name + " "
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
