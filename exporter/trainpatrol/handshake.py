@@ -1,13 +1,11 @@
 """How a rank knows it talks to a real agent before it sends the token or the run key.
 
-A process that binds the agent's port first (before an agent starts, or after an embedded one exited)
-would otherwise receive both and could steer the run with a forged reply. So every connection a Patrol
-opens starts with ``POST /v1/hello``: the Patrol sends a fresh nonce, and the agent answers an HMAC of
-it keyed by a secret the Patrol holds too, bound to the agent's own port and, on loopback, to the
-Patrol's address as the agent sees it (a listener relaying the hello to an agent elsewhere gets a
-proof for the wrong port or address). The secret is the agent token when the Patrol has it; otherwise
-the agent's key, which a loopback agent writes at start to a file only its user can read
-(``key_path``): a loopback agent without a token is trusted by its own user's runs alone.
+A process that binds the agent's port first could otherwise receive both and steer the run with forged
+replies. So every connection a Patrol opens starts with ``POST /v1/hello``: the Patrol sends a fresh nonce,
+and the agent answers its HMAC under a secret the Patrol holds too, bound to the agent's port and, on
+loopback, to the Patrol's address as the agent sees it (so a relay to an agent elsewhere proves the wrong
+port or address). The secret is the agent token when the Patrol has it, else the key that a loopback agent
+writes at start to a file only its user can read (``key_path``): such an agent is trusted by its user's runs.
 """
 
 from __future__ import annotations
@@ -71,21 +69,14 @@ def proof(secret: str, nonce: str, port: int, client: str) -> str:
 
 
 def client_part(address: str) -> str:
-    return address if _is_loopback(address) else "-"
-
-
-def secret_for(token: str, host: str, port: int) -> tuple[SecretKind, str]:
-    """Which secret a Patrol can check an agent at ``host:port`` with; ("", "") when none."""
-    if token:
-        return "token", token
-    key = read_key(port) if _is_loopback(host) or host == "localhost" else ""
-    return ("key", key) if key else ("", "")
+    return address if is_loopback(address) else "-"
 
 
 def connect(host: str, port: int, token: str, timeout: float) -> http.client.HTTPConnection:
-    """A connection to the agent at ``host:port`` that proved itself (``verify``); the caller may send
-    its token and run key on it, and believe its answers."""
-    kind, secret = secret_for(token, host, port)
+    """A connection to the agent at ``host:port`` that proved itself (``verify``) with the token, else
+    the key of this user's loopback agent; the caller may send its token and run key on it."""
+    key = "" if token or not is_loopback(host) else read_key(port)
+    kind, secret = ("token", token) if token else ("key", key) if key else ("", "")
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         verify(conn, kind, secret, port)
@@ -119,8 +110,9 @@ def verify(conn: http.client.HTTPConnection, kind: SecretKind, secret: str, port
         raise AgentNotVerified("the peer on the agent's port did not prove it is the agent")
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """``localhost`` or a loopback address (an IPv6 one with or without its zone)."""
     try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+        return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return address == "localhost"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..actions import ACTIONS
+from ..handshake import is_loopback
 from ..protocol import DNS_LABEL
 
 Mode = Literal["agent", "router"]
@@ -18,8 +18,8 @@ DEFAULT_PORT = 9402
 """Beside dcgm-exporter, which listens on 9400."""
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 EMBEDDED_IDLE_SECONDS = 60.0
-"""An embedded agent (probe.embedded) exits when no rank has pushed for this long; it outlives a pause,
-since a paused rank keeps pushing, and a run restarted within it finds the same agent."""
+"""An embedded agent (probe.embedded) exits when no rank has pushed for this long: a paused rank keeps
+pushing, and a run restarted within it finds the same agent."""
 DEFAULT_ALLOWED_ACTIONS = ("checkpoint", "pause", "capture", "empty_cache", "stop")
 DEFAULT_ACTION_RATE_LIMITS = {"checkpoint": 2, "capture": 4}
 """Per run and minute: sized for a few runs sharing a node's disk and CPU."""
@@ -43,9 +43,8 @@ class AgentConfig:
     namespace_tokens_file: str = ""
     """A file of ``namespace=token`` lines, read by ``load``, adding to ``namespace_tokens``."""
     action_rate_limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_ACTION_RATE_LIMITS))
-    """At most this many commands of an action per run in any 60 s (TRAINPATROL_ACTION_RATE_LIMITS is
-    ``action=n,...``); actions not named are not limited. Each one writes a checkpoint or an evidence
-    bundle on every rank, so an alert storm must not turn into a storm of them."""
+    """At most this many commands of an action per run in any 60 s (``action=n,...``; actions not named are
+    not limited): each writes a checkpoint or evidence on every rank, so an alert storm must not."""
     allowed_actions: tuple[str, ...] = DEFAULT_ALLOWED_ACTIONS
     """Actions an Alertmanager webhook or the HTTP API may ask for. ``resume`` always needs the API."""
     rank_up_ttl_seconds: float = 15.0
@@ -56,21 +55,19 @@ class AgentConfig:
     nvml: bool = True
     nvml_interval_seconds: float = 1.0
     nvml_slow_interval_seconds: float = 5.0
-    """Energy, ECC, retired pages, remapped rows, power limit and PCIe are read this often: counters,
-    near-constant settings, and the calls that block (energy about 3 ms, PCIe about 20 ms per GPU)."""
+    """How often the counters, near-constant settings and blocking calls are read (collectors.nvml)."""
     nvml_pcie: bool = False
     """PCIe throughput costs about 20 ms per GPU per sample, so it is opt-in."""
     nvml_processes: bool = False
     nvml_fake: str = ""
-    """Path of an NVML fixture (JSON) with the fake that serves it beside it as ``fake.py``; in the
-    repository, tests/nvml_fake/nvml_h200.json (recorded H200 readings). The wheel ships neither."""
+    """An NVML fixture (JSON) with ``fake.py`` beside it, as tests/nvml_fake/nvml_h200.json (not in the wheel)."""
     peers: tuple[str, ...] = ()
     """Peer agents (host:port) this agent may forward alerts to."""
     peers_dns: str = ""
     """A DNS name (e.g. a headless Service) whose addresses, on ``port``, are peers."""
     allowed_hosts: tuple[str, ...] = ()
-    """Host header names (besides loopback and ``host``) this agent answers to: a Service's DNS name,
-    the pod IP. Any other Host is refused with 421, so a DNS-rebound web page reaches nothing."""
+    """Host header names (besides loopback and ``host``) this agent answers to, as a Service's DNS name
+    or the pod IP; any other gets 421 (agent.auth)."""
     api_docs: bool = False
     """Serve /docs and /openapi.json (behind the token when one is set)."""
     metrics_token: str = ""
@@ -83,8 +80,7 @@ class AgentConfig:
     max_series_per_run: int = 7_500
     """Samples one run may hold: one run's flood leaves room for new runs."""
     squat_seconds: float = 60.0
-    """A run none of whose ranks advanced a step this long after it came gives way: its name to a push
-    with another key, its room to a new run over a bound (docs/security.md)."""
+    """A run none of whose ranks advanced a step this long after it came gives way (agent.store)."""
     max_samples_per_push: int = 1024
     max_label_length: int = 256
     max_queued_commands: int = 64
@@ -92,8 +88,7 @@ class AgentConfig:
     alert_log_size: int = 200
     webhook_dedupe_size: int = 10000
     max_push_bytes: int = 262_144
-    """A push: a whole snapshot of 1024 samples fits; a Patrol's is about 7 KB. Parsing a
-    body blocks the event loop for its size (a 0.9 MB one about 40 ms), so this bound also bounds that."""
+    """Fits a snapshot of 1024 samples (a Patrol's is about 7 KB); parsing blocks the event loop for its size."""
     max_request_bytes: int = 1_000_000
     """Any other request body: the webhook (a group of hundreds of alerts) and the control API."""
     # Connections: a slow or silent peer cannot hold a descriptor for long (docs/security.md).
@@ -106,22 +101,15 @@ class AgentConfig:
     max_header_bytes: int = 65_536
     """uvicorn's ``h11_max_incomplete_event_size``: unfinished headers past it are answered 400."""
     keep_alive_seconds: float = 20.0
-    """uvicorn's ``timeout_keep_alive`` (whole seconds): an idle connection after an answer is closed.
-    It must outlast the silence between two pushes of a rank on its kept-alive connection, or pushes race
-    the close and some need a retry on a new connection (about 1 % of them, when it was 5 s and a fleet
-    pushed every 5 s). That silence is at most 1.1 push intervals (``probe.publisher.next_push_delay``), and
-    a rank pushing less often than ``rank_up_ttl_seconds`` (15 s) counts as down, so 20 s covers every push
-    interval that keeps a rank up (16.5 s at most), four times the 5 s a fleet uses and twenty times
-    Patrol's default of 1 s. Idle connections stay bounded: over ``max_connections`` one is closed to make
-    room, never one in use (agent.limits; docs/security.md has what the longer keep-alive costs)."""
+    """uvicorn's ``timeout_keep_alive`` (whole seconds). It outlasts the silence between two pushes of a rank
+    that is up (at most 1.1 push intervals of under ``rank_up_ttl_seconds``: 16.5 s), or pushes race the close
+    and need a retry (1 % of them at 5 s); ``max_connections`` bounds idle ones (docs/security.md)."""
     series: str = "standard"
-    """How many series a rank costs: ``standard`` keeps each rank within ``catalogue.SERIES_BUDGET`` (what a
-    1,024-rank job needs in a shared Prometheus), ``full`` serves every series of the catalogue
+    """``standard`` keeps each rank within ``catalogue.SERIES_BUDGET``, ``full`` serves every series
     (docs/metrics.md, "Series budget")."""
     log_level: str = "info"
     exit_when_idle_seconds: float = 0.0
-    """Exit when no rank has pushed for this long (0: never). An embedded agent runs detached from the
-    run that started it, so other runs on the host keep it; this is how it goes once all have ended."""
+    """Exit when no rank has pushed for this long (0: never): how a detached embedded agent ends."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def load(self) -> AgentConfig:
@@ -136,17 +124,14 @@ class AgentConfig:
         if self.mode not in ("agent", "router"):
             raise ConfigError(f"Config 'mode' has value {self.mode!r}. Expected 'agent' or 'router'.")
         for name in ("max_runs", "max_ranks_per_run", "max_series", "max_series_per_run", "squat_seconds",
-                     "max_samples_per_push", "max_label_length",
-                     "max_queued_commands", "alert_log_size", "webhook_dedupe_size", "max_push_bytes",
-                     "max_request_bytes", "max_connections", "max_header_bytes", "header_timeout_seconds",
-                     "body_timeout_seconds", "keep_alive_seconds"):
+                     "max_samples_per_push", "max_label_length", "max_queued_commands", "alert_log_size",
+                     "webhook_dedupe_size", "max_push_bytes", "max_request_bytes", "max_connections",
+                     "max_header_bytes", "header_timeout_seconds", "body_timeout_seconds", "keep_alive_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"Config '{name}' has value {getattr(self, name)!r}. Expected a positive number.")
-        unknown = [a for a in self.allowed_actions if a not in ACTIONS]
-        if unknown:
-            raise ConfigError(
-                f"Config 'allowed_actions' has value {unknown[0]!r}. Expected one of {', '.join(ACTIONS)}."
-            )
+        if unknown := [a for a in self.allowed_actions if a not in ACTIONS]:
+            raise ConfigError(f"Config 'allowed_actions' has value {unknown[0]!r}. "
+                              f"Expected one of {', '.join(ACTIONS)}.")
         if self.nvml_fake and not (Path(self.nvml_fake).is_file() and fake_module(self.nvml_fake).is_file()):
             raise ConfigError(f"Config 'nvml_fake' has value {self.nvml_fake!r}. Expected an NVML fixture (JSON) "
                               "with fake.py beside it, as tests/nvml_fake/nvml_h200.json in the repository.")
@@ -167,10 +152,8 @@ class AgentConfig:
                 raise ConfigError(f"Config 'action_rate_limits' has entry {action}={limit!r}. Expected an action "
                                   "and a count per minute of 0 or more.")
         if not self.token and not is_loopback(self.host):
-            raise ConfigError(
-                f"Config 'host' has value {self.host!r}, which is not loopback, and no token is set. "
-                "Set TRAINPATROL_TOKEN or --token-file: the control API fails closed."
-            )
+            raise ConfigError(f"Config 'host' has value {self.host!r}, which is not loopback, and no token is set. "
+                              "Set TRAINPATROL_TOKEN or --token-file: the control API fails closed.")
         return self
 
     @classmethod
@@ -227,12 +210,3 @@ def _read_pairs(name: str, path: str) -> dict[str, str]:
 def fake_module(fixture: str) -> Path:
     """The NVML fake's source, beside its fixture: test code, so it is loaded by path, never packaged."""
     return Path(fixture).parent / "fake.py"
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -1,39 +1,20 @@
 """Every bound on what others make the agent hold or wait for (docs/security.md).
 
-**What it holds** (``Bounds``). A push over a bound is refused whole, with the bound's name and its
-setting in the message, and counted in ``trainpatrol_refused_requests_total{reason}`` under that name.
-Known ranks keep pushing: a bound refuses only what is new (a run, a rank, more series), never the
-state of one that is here. Actions per run and minute are bounded too (``ActionLimits``).
+**What it holds** (``Bounds``). A push over a bound is refused whole, with the bound's name and setting in
+the message, and counted in ``trainpatrol_refused_requests_total{reason}`` under that name. A bound refuses
+only what is new (a run, a rank, more series), never the state of a rank that is here. ``ActionLimits``
+bounds actions per run and minute.
 
-**Connections** (``guarded_protocol``): what uvicorn lacks, a deadline for a request to come in and a
-cap on open connections.
-
-uvicorn's own settings do the rest (agent/server.py): ``h11_max_incomplete_event_size`` answers 400
-to headers past ``max_header_bytes``, ``timeout_keep_alive`` closes a connection left idle after an
-answer. But uvicorn sets no timer while a request is coming in (not on a connection that opens and
-sends nothing, nor while headers or a body trickle in), and it accepts connections until descriptors
-run out; ``limit_concurrency`` closes none, it answers 503 to every request, /healthz too, once silent
-connections fill it. About 1,100 such connections under ``ulimit -n 1024`` made every new one fail.
-Here:
-
-- a request must be in within ``header_timeout`` of the connection opening (or of its first byte
-  after an answer; the silence before is ``timeout_keep_alive``'s), its body within
-  ``body_timeout`` of its headers;
-- over ``max_connections`` one connection is closed to make room (``_victim``): never one whose request
-  is in and being answered, nor one that completed a request within ``RECENT_SECONDS`` (a rank's
-  kept-alive stream pushes every second, a kept-alive scraper asks every few), while a connection that
-  never completed a request is open. Of those that never completed one, the OLDEST goes (by the time
-  it opened, not by when it last sent a byte: trickling a header byte every 0.25 s used to keep a
-  connection "fresh" and had ranks' streams evicted instead, 0 of 640 pushes through). Then a
-  connection whose last request is older than ``RECENT_SECONDS``, the least recent first; else the new
-  connection itself. A flood of connections that send bytes but finish no request thus only evicts
-  itself, however it paces its bytes, and the next scrape on a new connection lives until about
-  ``max_connections`` newer ones came after it.
-
-Each is counted in ``trainpatrol_refused_requests_total{reason}`` (header_timeout, body_timeout,
-connections; malformed for uvicorn's 400). ``Guard`` wraps uvicorn's h11 protocol rather than
-subclassing it: it passes the ``asyncio.Protocol`` calls through and reads the parser's public state
-(h11's ``their_state``) after each, so no uvicorn method is overridden."""
+**Connections** (``guarded_protocol``): what uvicorn lacks. uvicorn's own settings (agent/server.py) answer
+400 to headers past ``max_header_bytes`` and close a connection idle after an answer, but set no timer
+while a request is coming in, and accept connections until descriptors run out (``limit_concurrency``
+closes none: it answers 503 to everything, /healthz too). Here a request's headers must be in within
+``header_timeout`` of the connection opening (or of the request's first byte), its body within
+``body_timeout`` of its headers, and over ``max_connections`` one connection is closed (``_victim``; the
+policy and why it is that one are in docs/security.md). Each is counted in
+``trainpatrol_refused_requests_total{reason}`` (header_timeout, body_timeout, connections; malformed for
+uvicorn's 400). ``Guard`` wraps uvicorn's h11 protocol: it passes the ``asyncio.Protocol`` calls through and
+reads h11's ``their_state`` after each, so no uvicorn method is overridden."""
 
 from __future__ import annotations
 
@@ -42,7 +23,7 @@ import logging
 import resource
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import h11
@@ -90,10 +71,7 @@ class Bounds:
 
     @classmethod
     def of(cls, config: AgentConfig) -> Bounds:
-        return cls(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
-                   max_series=config.max_series, max_series_per_run=config.max_series_per_run,
-                   max_samples_per_push=config.max_samples_per_push,
-                   max_label_length=config.max_label_length, max_queued_commands=config.max_queued_commands)
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     def check_body(self, body: bytes) -> None:
         """Before parsing: a body with more sample objects than the bound is refused unread. Every
@@ -178,23 +156,15 @@ class ActionLimits:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_connections: int = 256
-    header_timeout: float = 10.0
-    body_timeout: float = 10.0
-
-
 RECENT_SECONDS = 3.0
 """A connection that completed a request this recently is not evicted while one that never did is
 open: three of a rank's push intervals (1 s), more than a 1 Hz scraper's."""
 
 
 def _victim(live: set[Any], fresh: dict[Any, None], new: Any, now: float) -> Any:
-    """The connection to close when ``new`` puts ``live`` over the cap (module docstring). ``fresh``
-    holds the connections that never completed a request, in the order they opened (O(1) under a
-    flood that reconnects as fast as it is evicted); each connection has ``served`` (when its last
-    request came in whole) and ``busy`` (its request is in and being answered)."""
+    """The connection to close when ``new`` puts ``live`` over the cap (docs/security.md). ``fresh``: those
+    that never completed a request, oldest first (O(1) under a flood that reconnects as fast as it is
+    evicted); a connection's ``served`` is when its last request came in whole, ``busy`` that it is answered."""
     oldest = next(iter(fresh), new)  # ``new`` opened last: it comes first only when it is alone
     if oldest is not new:
         return oldest
@@ -205,12 +175,12 @@ def _victim(live: set[Any], fresh: dict[Any, None], new: Any, now: float) -> Any
     return new
 
 
-def guarded_protocol(limits: ConnectionLimits, refused: Callable[[str], None]) -> type[asyncio.Protocol]:
+def guarded_protocol(limits: AgentConfig, refused: Callable[[str], None]) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol under ``limits``; ``refused(reason)`` counts each connection let go."""
     live: set[Guard] = set()
     fresh: dict[Guard, None] = {}  # never completed a request, in the order they opened
-    deadlines = {h11.IDLE: (limits.header_timeout, "header_timeout"),
-                 h11.SEND_BODY: (limits.body_timeout, "body_timeout")}
+    deadlines = {h11.IDLE: (limits.header_timeout_seconds, "header_timeout"),
+                 h11.SEND_BODY: (limits.body_timeout_seconds, "body_timeout")}
 
     class Guard(asyncio.Protocol):
         def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],

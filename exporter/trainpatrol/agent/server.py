@@ -18,8 +18,8 @@ import uvicorn
 
 from .. import handshake
 from .app import Agent
-from .config import AgentConfig, fake_module, is_loopback
-from .limits import ConnectionLimits, guarded_protocol, raise_open_files_limit
+from .config import AgentConfig, fake_module
+from .limits import guarded_protocol, raise_open_files_limit
 
 log = logging.getLogger(__name__)
 STARTUP_FAILURE = 3
@@ -99,11 +99,10 @@ def serve(config: AgentConfig) -> None:
     gc.freeze()
     gc.set_threshold(10_000, 50, 100)
     log.info("trainpatrol agent (%s) on http://%s:%d/metrics", config.mode, config.host, config.port)
-    limits = ConnectionLimits(config.max_connections, config.header_timeout_seconds, config.body_timeout_seconds)
     log.info("at most %d connections, %d open files", config.max_connections, raise_open_files_limit())
     done = threading.Event()
     try:
-        protocol = guarded_protocol(limits, lambda reason: agent.stats.count("refusals", reason))
+        protocol = guarded_protocol(config, lambda reason: agent.stats.count("refusals", reason))
         server = uvicorn.Server(uvicorn.Config(agent.app, host=config.host, port=config.port, http=protocol,
                                                ws="none", log_level=config.log_level, access_log=False,
                                                h11_max_incomplete_event_size=config.max_header_bytes,
@@ -118,7 +117,7 @@ def serve(config: AgentConfig) -> None:
         except OSError as exc:  # another agent bound the same port in the same instant, and listened first
             log.error("%s", exc)
             raise SystemExit(STARTUP_FAILURE) from exc
-        if is_loopback(config.host):  # the user's own ranks check this agent with its key (trainpatrol.handshake)
+        if handshake.is_loopback(config.host):  # the user's own ranks check this agent with its key
             handshake.write_key(config.port, agent.identity_key)
         if config.exit_when_idle_seconds:
             log.info("exits when no rank has pushed for %g s", config.exit_when_idle_seconds)
