@@ -56,8 +56,7 @@ class Agent:
         self.last_push = time.monotonic()
         """When a rank last pushed, accepted or refused (or the agent started): scrapes and API calls do not
         keep an idle agent up."""
-        self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config,
-                        identity_key=self.identity_key)
+        self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
 
     def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]:
         """Store a valid push that ``proof`` allows; returns the commands for its reply. Raises

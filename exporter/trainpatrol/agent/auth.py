@@ -1,23 +1,18 @@
 """Who may do what: tokens, the Host check, and the run keys that prove a push speaks for its run.
 
-- **Tokens.** Bearer tokens compared in constant time; the agent token reaches every namespace, a
-  ``namespace_tokens`` entry its namespace alone. Pushes from loopback need none.
-- **The edge** (``Edge``), in plain ASGI before any route. Host: every route answers only to loopback
-  names (``localhost``, ``127.0.0.1``, ``[::1]``, any port), the bind address and ``allowed_hosts``;
-  any other Host header gets 421, so a web page whose name an attacker rebinds to 127.0.0.1 reaches
-  nothing. Token: with a token configured, every route but the push (checked by its route),
-  ``/healthz`` and ``/metrics`` needs it, reads included, since runs, alerts and NVML name hosts,
-  checkpoint paths and pending commands; ``/metrics`` needs ``metrics_token`` when one is set.
-  Without a token (a loopback agent), requests that change state must come from loopback. The answer
-  comes before the body is read, so a wrong token costs no body. Refusals are counted in
-  ``trainpatrol_refused_requests_total{reason}`` (host, unauthorized).
-- **Run keys** (``RunKeys``). A rank proves its run's key (``X-Trainpatrol-Run-Key``, probe.run_key)
-  with every push; its acknowledgements of commands travel in the same push. The first push of a
-  (namespace, run) that carries a key binds it; once bound, pushes without it are refused, so no
-  other process can push as a rank of the run, mark its commands done or raise alerts for it. A run
-  whose pushes carry no key binds none (older probes). The agent keeps a digest, never the key, and
-  forgets it with the run's last series; a run whose ranks all closed or stopped takes the next key
-  that comes (a relaunch under the same name).
+- **Tokens**, compared in constant time: the agent token reaches every namespace, a ``namespace_tokens``
+  entry its namespace alone. Pushes from loopback need none.
+- **The edge** (``Edge``, plain ASGI before any route). Every route answers only to loopback names, the
+  bind address and ``allowed_hosts``; any other Host gets 421, so a DNS-rebound web page reaches nothing.
+  With a token configured, every route but the push (checked by its route), ``/healthz`` and the hello
+  needs it, reads included (runs, alerts and NVML name hosts, paths and commands); ``/metrics`` needs
+  ``metrics_token`` when one is set. Without a token, requests that change state must come from loopback.
+  It answers before the body is read, and counts refusals in ``trainpatrol_refused_requests_total``.
+- **Run keys** (``RunKeys``). A rank proves its run's key (``X-Trainpatrol-Run-Key``, probe.run_key) with
+  every push, its command acknowledgements included. The first keyed push of a (namespace, run) binds its
+  key; then pushes without it are refused, so no other process can push as the run, mark its commands
+  done or raise its alerts. A run whose pushes carry no key binds none (older probes). The agent keeps a
+  digest, forgotten with the run's last series; a run whose ranks all ended takes the next key (a relaunch).
 """
 
 from __future__ import annotations
@@ -35,9 +30,13 @@ from fastapi import HTTPException, Request
 from starlette.types import ASGIApp, Receive, Send
 from starlette.types import Scope as AsgiScope
 
-from .config import AgentConfig, is_loopback
+from ..handshake import is_loopback
+from .config import AgentConfig
 from .problems import PUSH_PATHS
 from .stats import AgentStats
+
+UNAUTHORIZED = "Missing or wrong bearer token."
+LOOPBACK_ONLY = "No token is configured, so only loopback callers may use the control API."
 
 
 @dataclass(frozen=True)
@@ -67,10 +66,6 @@ def bearer(authorization: str) -> str:
     return value.strip() if scheme.lower() == "bearer" else ""
 
 
-def _presented(request: Request) -> str:
-    return bearer(request.headers.get("authorization", ""))
-
-
 def token_ok(expected: str, presented: str) -> bool:
     """``presented`` as HTTP frameworks give a header: its bytes decoded as latin-1. Compared as the
     bytes that came, against the token's UTF-8, so a non-ASCII token matches."""
@@ -98,12 +93,12 @@ def client_is_loopback(request: Request) -> bool:
 def require_control(request: Request, config: AgentConfig) -> Reach:
     """Control and webhooks: a token when one is configured, else loopback callers only."""
     if config.token or config.namespace_tokens:
-        scope = scope_of(config, _presented(request))
+        scope = scope_of(config, bearer(request.headers.get("authorization", "")))
         if scope is None:
-            raise HTTPException(401, "Missing or wrong bearer token.", headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
         return scope
     if not client_is_loopback(request):
-        raise HTTPException(401, "No token is configured, so only loopback callers may use the control API.")
+        raise HTTPException(401, LOOPBACK_ONLY)
     return EVERY
 
 
@@ -113,7 +108,7 @@ PUSH_REFUSED = "Pushes from other hosts must carry the bearer token; a token tha
 def push_proof(request: Request, config: AgentConfig) -> PushProof:
     """What a push proves, for the single route and the stream alike: pushes come from loopback
     without a token, or carry a right one (a wrong one is refused from loopback too); else 401."""
-    presented = _presented(request)
+    presented = bearer(request.headers.get("authorization", ""))
     scope = EVERY if not presented and client_is_loopback(request) else scope_of(config, presented)
     if scope is None:
         raise HTTPException(401, PUSH_REFUSED, headers={"WWW-Authenticate": "Bearer"})
@@ -177,8 +172,6 @@ class RunKeys:
 
 OPEN = frozenset({"/healthz", "/v1/hello"})
 """Routes anyone may call: liveness, and the hello a rank opens with before it sends any secret."""
-UNAUTHORIZED = "Missing or wrong bearer token."
-LOOPBACK_ONLY = "No token is configured, so only loopback callers may use the control API."
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
@@ -237,12 +230,9 @@ def _configured(entry: str) -> str:
 class Edge:
     """ASGI middleware: the Host check on every request, then the token gate (module docstring)."""
 
-    def __init__(self, app: ASGIApp, *, hosts: HostCheck, stats: AgentStats, config: AgentConfig,
-                 identity_key: str = "") -> None:
+    def __init__(self, app: ASGIApp, *, hosts: HostCheck, stats: AgentStats, config: AgentConfig) -> None:
         self.app, self.hosts, self.stats = app, hosts, stats
         self.config, self.metrics_token = config, config.metrics_token
-        self.identity_key = identity_key
-        """The agent's key (trainpatrol.handshake), for the server that serves this to publish."""
 
     async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
