@@ -230,9 +230,12 @@ def _configured(entry: str) -> str:
 class Edge:
     """ASGI middleware: the Host check on every request, then the token gate (module docstring)."""
 
-    def __init__(self, app: ASGIApp, *, hosts: HostCheck, stats: AgentStats, config: AgentConfig) -> None:
+    def __init__(self, app: ASGIApp, *, hosts: HostCheck, stats: AgentStats, config: AgentConfig,
+                 identity_key: str = "") -> None:
         self.app, self.hosts, self.stats = app, hosts, stats
         self.config, self.metrics_token = config, config.metrics_token
+        self.identity_key = identity_key
+        """The agent's key (trainpatrol.handshake), for a server that serves this to publish (tests/servers.py)."""
 
     async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
