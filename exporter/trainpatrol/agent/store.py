@@ -1,13 +1,11 @@
 """What the agent knows about its ranks: last pushes, their series, liveness, and commands waiting for them.
 
-A run's ranks are one **incarnation** as long as their Patrols live (each pushes its ``instance``). A
-command is queued for the instances live when it was asked for: it reaches those alone, a later one
-coalesces into it only if it would reach the same ranks, and once none of them is left (the job was
-killed and relaunched under its name) it is dropped rather than answering for the new incarnation.
-
-Room is kept for honest runs: a run may hold at most ``max_series_per_run`` series, and when a new
-run or rank would go over a bound, a run that gives way goes first (docs/security.md): one whose ranks
-all ended or went down, or one that never trained (no step advanced) ``squat_seconds`` after it came.
+A run's ranks are one **incarnation** while their Patrols live (each pushes its ``instance``). A command is
+for the instances live when it was asked for: it reaches those alone, a later one coalesces into it only if
+it would reach the same ranks, and once none of them is left (the job was relaunched under its name) it is
+dropped. A run holds at most ``max_series_per_run`` series; when a new run or rank would go over a bound, a
+run that gives way goes first (docs/security.md): all its ranks ended or down, or none advanced a step
+``squat_seconds`` after it came.
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ class RankStore:
                  count: Callable[[str, str], None] = lambda counter, reason: None) -> None:
         self.bounds = bounds or Bounds()
         self.squat_seconds = squat_seconds
-        self._count = count
-        """``count("dropped", reason)`` for ranks dropped by a binding or an eviction (AgentStats)."""
+        self._count = count  # count("dropped", reason): ranks dropped by a binding or an eviction
         self.rank_up_ttl = rank_up_ttl
         self.expire_after = expire_after
         self.closed_expire_after = closed_expire_after
@@ -73,9 +70,7 @@ class RankStore:
         self._keys = RunKeys()
         self._limits = ActionLimits(action_limits or {})
         self._seen_commands: dict[int, float] = {}
-        self._run_ranks: dict[RunId, int] = {}
-        """Ranks held per run, and below the samples held over all ranks and per run: what the bounds are
-        checked against."""
+        self._run_ranks: dict[RunId, int] = {}  # with the two below, what the bounds are checked against
         self._series = 0
         self._run_series: dict[RunId, int] = {}
         self._came: dict[RunId, float] = {}
@@ -84,10 +79,8 @@ class RankStore:
         """Runs some rank of which advanced a step."""
         self._targets: dict[int, frozenset[str]] = {}
         """Per queued command, the instances of the ranks it is for (the incarnation live when asked)."""
-        self._version = 0
-        """Writes and expiries so far: what /metrics has to write again for."""
-        self._next_expiry = float("inf")
-        """No rank or command is due to expire before this time (it may be earlier than the first one due)."""
+        self._version = 0  # writes and expiries so far: what /metrics has to write again for
+        self._next_expiry = float("inf")  # nothing is due to expire before (maybe earlier than the first due)
         self._up_flags: tuple[int, tuple[bool, ...], float] = (-1, (), float("-inf"))
         """``state``'s last answer: the version, the up flags, and until when the flags hold."""
 
@@ -141,7 +134,8 @@ class RankStore:
                 yielding = [r for r in self._run_ranks if r != run and self._gives_way(r, now)]
                 if exc.reason == "max_series_per_run" or not yielding:
                     raise
-                self._drop_run(min(yielding, key=self._last_push_of), "evicted")
+                last_push = {r: max((e.last_push for e in self._run_entries(r)), default=0.0) for r in yielding}
+                self._drop_run(min(yielding, key=last_push.__getitem__), "evicted")
 
     def _gives_way(self, run: RunId, now: float) -> bool:
         """A run that keeps no one from training: every rank ended or down, or it never trained in
@@ -150,9 +144,6 @@ class RankStore:
         entries = self._run_entries(run)
         return all(e.snapshot.state in ENDED_STATES or not self.is_up(e, now) for e in entries) or (
             run not in self._trained and now - self._came.get(run, now) > self.squat_seconds)
-
-    def _last_push_of(self, run: RunId) -> float:
-        return max((e.last_push for e in self._run_entries(run)), default=0.0)
 
     def _run_entries(self, run: RunId) -> list[RankEntry]:
         return [e for (ns, r, _), e in self._ranks.items() if (ns, r) == run]
@@ -173,23 +164,28 @@ class RankStore:
         targets = self._targets.get(command.id)
         return targets is None or snap.instance in targets
 
+    def _undone(self, run: RunId, commands: list[Command]) -> list[Command]:
+        """Those of ``commands`` that some current rank of their incarnation has not carried out (none
+        when the run has no rank)."""
+        ranks = self._run_snapshots(run)
+        instances = {r.instance for r in ranks}
+        return [c for c in commands if not all(c.id in r.done_commands for r in ranks)
+                and (self._targets.get(c.id) is None or self._targets[c.id] & instances)]
+
     def _retire(self, run: RunId, now: float) -> None:
         """Drops the run's commands that every current rank carried out (a restarted job never receives
         them again), that are past their TTL, or whose ranks are all gone (another incarnation)."""
-        ranks = self._run_snapshots(run)
-        instances = {r.instance for r in ranks}
-        kept = []
-        for c in self._commands.get(run, []):
-            targets = self._targets.get(c.id)
-            if (now - c.created < COMMAND_TTL_SECONDS and not all(c.id in r.done_commands for r in ranks)
-                    and (targets is None or targets & instances)):
-                kept.append(c)
-            else:
+        queue = self._commands.get(run, [])
+        self._commands[run] = self._undone(run, [c for c in queue if now - c.created < COMMAND_TTL_SECONDS])
+        self._untarget(queue, self._commands[run])
+
+    def _untarget(self, queue: list[Command], kept: list[Command]) -> None:
+        for c in queue:
+            if c not in kept:
                 self._targets.pop(c.id, None)
-        self._commands[run] = kept
 
     def _run_snapshots(self, run: RunId) -> list[RankSnapshot]:
-        return [e.snapshot for (ns, r, _), e in self._ranks.items() if (ns, r) == run]
+        return [e.snapshot for e in self._run_entries(run)]
 
     def enqueue(self, command: Command) -> tuple[Enqueued, Command]:
         """Queue a command for its run. Returns the outcome and the command the ranks will carry out:
@@ -243,9 +239,7 @@ class RankStore:
             self._limits.expire(now)
             for run, queue in list(self._commands.items()):  # queues of runs no rank pushes for any more
                 kept = [c for c in queue if now - c.created < COMMAND_TTL_SECONDS]
-                for c in queue:
-                    if c not in kept:
-                        self._targets.pop(c.id, None)
+                self._untarget(queue, kept)
                 if kept:
                     self._commands[run] = kept
                 else:
@@ -269,6 +263,7 @@ class RankStore:
         else:
             del self._run_ranks[run]
             del self._run_series[run]
+
     def entries(self) -> tuple[RankEntry, ...]:
         """Every rank, sorted by (namespace, run, rank)."""
         self.expire()
@@ -319,13 +314,10 @@ class RankStore:
         return {e.snapshot.pid: (e.snapshot.run, str(e.snapshot.rank)) for e in self.entries() if e.snapshot.pid}
 
     def pending(self, run: str, namespace: str = "") -> list[Command]:
-        """Commands some rank of ``run``'s incarnation has not carried out yet."""
+        """Commands some rank of ``run``'s incarnation has not carried out yet (all, while it has no rank)."""
         with self._lock:
-            ranks = self._run_snapshots((namespace, run))
-            instances = {r.instance for r in ranks}
-            return [c for c in self._commands.get((namespace, run), [])
-                    if (not ranks or not all(c.id in snap.done_commands for snap in ranks))
-                    and (ranks == [] or self._targets.get(c.id) is None or self._targets[c.id] & instances)]
+            queue = self._commands.get((namespace, run), [])
+            return self._undone((namespace, run), queue) if self._run_entries((namespace, run)) else list(queue)
 
     def bound_at(self, run: str, namespace: str = "") -> float | None:
         """When the run's key was bound (agent clock), None for a keyless run: an alert that began
@@ -347,34 +339,23 @@ class RankStore:
     def run_status(self, run: str, ranks: list[RankEntry] | None = None, namespace: str = "") -> dict[str, Any]:
         ranks = ranks if ranks is not None else [e for e in self.entries() if run_id(e.snapshot) == (namespace, run)]
         states = [e.snapshot.state if self.is_up(e) or e.snapshot.state in ENDED_STATES else "down" for e in ranks]
-        actions: list[ActionRecord] = sorted(
-            (a for e in ranks for a in e.snapshot.actions), key=lambda a: (a.time, a.id)
-        )
+        actions: list[ActionRecord] = sorted((a for e in ranks for a in e.snapshot.actions),
+                                             key=lambda a: (a.time, a.id))
         last = actions[-1] if actions else None
         last_outcome = None
         if last is not None:
             same = [a for a in actions if a.id == last.id]
-            last_outcome = {
-                "id": last.id, "action": last.action, "step": last.step,
-                "outcome": "failed" if any(a.outcome == "failed" for a in same) else last.outcome,
-                "detail": "; ".join(sorted({a.detail for a in same if a.detail})),
-                "evidence": last.evidence, "ranks_reported": len(same),
-            }
+            last_outcome = {"id": last.id, "action": last.action, "step": last.step,
+                            "outcome": "failed" if any(a.outcome == "failed" for a in same) else last.outcome,
+                            "detail": "; ".join(sorted({a.detail for a in same if a.detail})),
+                            "evidence": last.evidence, "ranks_reported": len(same)}
         checkpoints = [e.snapshot.last_checkpoint for e in ranks if e.snapshot.last_checkpoint]
-        return {
-            "namespace": namespace,
-            "run": run,
-            "state": _run_state(states),
-            "world_size": max((e.snapshot.world_size for e in ranks), default=0),
-            "ranks": [
-                {"rank": e.snapshot.rank, "state": s, "step": e.snapshot.step, "host": e.snapshot.host,
-                 "last_push": e.last_push, "up": self.is_up(e)}
-                for e, s in zip(ranks, states, strict=False)
-            ],
-            "last_action": last_outcome,
-            "last_checkpoint": max(checkpoints, default=""),
-            "pending_commands": [c.model_dump() for c in self.pending(run, namespace)],
-        }
+        return {"namespace": namespace, "run": run, "state": _run_state(states),
+                "world_size": max((e.snapshot.world_size for e in ranks), default=0),
+                "ranks": [{"rank": e.snapshot.rank, "state": s, "step": e.snapshot.step, "host": e.snapshot.host,
+                           "last_push": e.last_push, "up": self.is_up(e)} for e, s in zip(ranks, states, strict=False)],
+                "last_action": last_outcome, "last_checkpoint": max(checkpoints, default=""),
+                "pending_commands": [c.model_dump() for c in self.pending(run, namespace)]}
 
 
 def _step_time(snap: RankSnapshot, old: RankEntry | None, now: float) -> float:
