@@ -139,11 +139,12 @@ class Webhooks:
     counts an alert; ``log`` keeps the recent ones for ``GET /v1/alerts``."""
 
     def __init__(self, config: AgentConfig, store: RankStore, enqueue: Callable[[Command], tuple[Enqueued, Command]],
-                 deliver: Callable[[list[Alert], dict[str, object]], list[str]], dedupe: Deduper,
-                 log: deque[dict[str, Any]], count: Callable[[str], None],
+                 deliver: Callable[[list[Alert], dict[str, object]], list[str]], count: Callable[[str], None],
                  clock: Callable[[], float]) -> None:
         self.config, self.store, self.enqueue, self.deliver = config, store, enqueue, deliver
-        self.dedupe, self.log, self.count, self.clock = dedupe, log, count, clock
+        self.count, self.clock = count, clock
+        self.dedupe = Deduper(config.webhook_dedupe_size)
+        self.log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
 
     def handle(self, payload: WebhookPayload, scope: Reach, *, forwarded: bool) -> JSONResponse:
         cfg = self.config

@@ -25,7 +25,6 @@ import logging
 import re
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -39,7 +38,7 @@ from .._version import __version__
 from ..collectors.ranks import RankCollector
 from ..collectors.registry import Collector, ProcessMetrics, Registry
 from ..protocol import DNS_LABEL, RUN_PATTERN, ActionRequest, Command, PushReply, RankSnapshot, valid_run
-from .alerts import Deduper, WebhookPayload, Webhooks
+from .alerts import WebhookPayload, Webhooks
 from .auth import Edge, HostCheck, PushProof, push_proof, require_control
 from .config import AgentConfig
 from .limits import Bounds, PushRefused, Refused
@@ -72,16 +71,16 @@ class Agent:
         if nvml is not None:
             collectors["nvml"] = nvml
         self.registry = Registry(collectors)
-        self.dedupe = Deduper(config.webhook_dedupe_size)
         self.peers = PeerForwarder(config, lambda outcome: self.stats.count("forwarded", outcome))
-        self.alert_log: deque[dict[str, Any]] = deque(maxlen=config.alert_log_size)
-        self.webhooks = Webhooks(config, self.store, self.enqueue, self.peers.deliver, self.dedupe, self.alert_log,
+        self.webhooks = Webhooks(config, self.store, self.enqueue, self.peers.deliver,
                                  lambda outcome: self.stats.count("alerts", outcome), clock)
+        self.alert_log = self.webhooks.log
         self.api = build_api(self)
         self.last_push = time.monotonic()
         """When a rank last pushed, accepted or refused (or the agent started): scrapes and API calls do not
         keep an idle agent up."""
-        self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config)
+        self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config,
+                        identity_key=self.identity_key)
 
     def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]:
         """Store a valid push that ``proof`` allows; returns the commands for its reply. Raises
@@ -91,8 +90,8 @@ class Agent:
         if not proof.scope.allows(snapshot.namespace):
             self.stats.count("pushes", "wrong_namespace")
             raise PushRefused(f"The token does not reach namespace {snapshot.namespace!r}.")
-        self._check_gpu(snapshot)
         try:
+            self._check_gpu(snapshot)
             self.bounds.check_snapshot(snapshot)
             commands = self.store.push(snapshot, proof.key)
         except WrongRunKey as exc:
@@ -113,8 +112,6 @@ class Agent:
         known = self.nvml.uuids() if self.nvml is not None and named else frozenset()
         foreign = sorted(named - known) if known else []
         if foreign:
-            self.stats.count("refusals", "foreign_gpu")
-            self.stats.count("pushes", "refused")
             raise Refused(422, "foreign_gpu", f"GPU {foreign[0]!r} is not a GPU of this node "
                                               f"({len(known)} known by NVML); a rank pushes to its own node's agent.")
 
@@ -255,11 +252,13 @@ def build_api(agent: Agent) -> FastAPI:
     def metrics(request: Request) -> Response:
         # the text format, or OpenMetrics when the scraper asks for it (Prometheus does); gzip when accepted
         body = agent.registry.body(request.headers.get("accept", ""), request.headers.get("accept-encoding", ""))
-        headers = {"Content-Encoding": "gzip", "Vary": "Accept, Accept-Encoding"} if body.gzipped else \
-            {"Vary": "Accept, Accept-Encoding"}
+        headers = ({"Content-Encoding": "gzip"} if body.gzipped else {}) | {"Vary": "Accept, Accept-Encoding"}
         return Response(body.data, media_type=body.content_type, headers=headers)
 
-    def push_proof_of(request: Request) -> PushProof:
+    @app.post("/v1/push", summary="One rank's snapshot", response_model=PushReply,
+              responses=documented(400, 401, 403, 413, 422, 429),  # the body, which the route parses itself:
+              openapi_extra={"requestBody": {"required": True, "content": {JSON: {"schema": _inlined(RankSnapshot)}}}})
+    async def push(request: Request) -> Response:
         try:
             proven = push_proof(request, cfg)
         except HTTPException:
@@ -269,13 +268,6 @@ def build_api(agent: Agent) -> FastAPI:
         if content_type != JSON:
             agent.stats.count("pushes", "invalid")
             raise HTTPException(422, f"Invalid request: body: Content-Type must be {JSON}, not {content_type!r}.")
-        return proven
-
-    @app.post("/v1/push", summary="One rank's snapshot", response_model=PushReply,
-              responses=documented(400, 401, 403, 413, 422, 429),  # the body, which the route parses itself:
-              openapi_extra={"requestBody": {"required": True, "content": {JSON: {"schema": _inlined(RankSnapshot)}}}})
-    async def push(request: Request) -> Response:
-        proven = push_proof_of(request)
         body = await read_body(request, cfg.max_push_bytes, lambda: agent.stats.count("pushes", "too_large"))
         try:
             agent.check_push_body(body)  # raises Refused for a body over a bound before it is parsed
