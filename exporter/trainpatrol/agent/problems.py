@@ -1,10 +1,10 @@
 """The agent's limits on request bodies and the words of its error answers: one place for every route.
 
-- **413.** A body over its limit: at once by its Content-Length, or as a chunked body streams in. The
-  pushes have a limit of their own, checked by their routes once the token is (agent.pushes), so a
-  wrong token costs no body; ``BodyLimit`` holds every other route to ``max_request_bytes``.
-- **422.** The first validation error in ``detail``, every one under ``errors`` with a ``loc`` that
-  starts with ``body``; each echoed input is cut to ``ECHO_CHARS``.
+- **413.** A body over its limit, at once by its Content-Length or as a chunked body streams in. The push
+  checks its own limit once the token is checked, so a wrong token costs no body; ``BodyLimit`` holds
+  every other route to ``max_request_bytes``.
+- **422.** The first validation error in ``detail``, every one under ``errors`` with a ``loc`` that starts
+  with ``body``; each echoed input cut to ``ECHO_CHARS``.
 - Every error answer is a ``Problem``; ``documented`` gives a route's error codes for the OpenAPI schema.
 """
 
@@ -89,9 +89,7 @@ async def read_body(request: Request, limit: int, refused: Callable[[], None]) -
 
 class BodyLimit:
     """ASGI middleware: every route but the pushes takes a body of at most ``limit`` bytes (``limited``).
-
-    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` cost more CPU than a push itself.
-    """
+    Plain ASGI: Starlette's ``BaseHTTPMiddleware`` cost more CPU than a push itself."""
 
     def __init__(self, app: ASGIApp, limit: int, refused: Callable[[], None]) -> None:
         self.app, self.limit, self.refused = app, limit, refused
@@ -119,14 +117,11 @@ def shortened(errors: Sequence[Any]) -> list[Any]:
     """Validation errors with each echoed ``input`` cut to ``ECHO_CHARS`` of its text."""
     out = []
     for e in errors:
-        e = dict(e)
-        e.pop("url", None)
-        if "input" in e:
-            text = e["input"] if isinstance(e["input"], str) else None
-            if text is None:
-                text = repr(e["input"]) if not isinstance(e["input"], int | float | bool | type(None)) else None
-            if text is not None and len(text) > ECHO_CHARS:
-                e["input"] = text[:ECHO_CHARS] + f"... ({len(text)} characters)"
+        e = {k: v for k, v in e.items() if k != "url"}
+        value = e.get("input")
+        text = value if isinstance(value, str) else None if isinstance(value, int | float | None) else repr(value)
+        if text is not None and len(text) > ECHO_CHARS:
+            e["input"] = text[:ECHO_CHARS] + f"... ({len(text)} characters)"
         out.append(e)
     return out
 

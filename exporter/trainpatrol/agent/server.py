@@ -55,10 +55,8 @@ def load_fake_nvml(fixture: str) -> Any:
 
 def build_agent(config: AgentConfig) -> Agent:
     config.load()
-    holder: dict[str, Agent] = {}
-    nvml = build_nvml(config, lambda: holder["agent"].store.pid_to_rank())
-    agent = Agent(config, nvml=nvml)
-    holder["agent"] = agent
+    agent: Agent  # bound before the NVML sampler first asks for the ranks' pids
+    agent = Agent(config, nvml=build_nvml(config, lambda: agent.store.pid_to_rank()))
     return agent
 
 

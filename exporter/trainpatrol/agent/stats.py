@@ -1,10 +1,4 @@
-"""The agent's own counters, and their part of /metrics.
-
-Emits ``trainpatrol_agent_info``, ``trainpatrol_pushes_total{outcome}``, ``trainpatrol_dropped_ranks_total{reason}``,
-``trainpatrol_webhook_alerts_total{outcome}``, ``trainpatrol_forwarded_alerts_total{outcome}``,
-``trainpatrol_control_commands_total{action,source}``,
-``trainpatrol_control_commands_refused_total{action,reason}`` and ``trainpatrol_refused_requests_total{reason}``.
-"""
+"""The agent's own counters (``_COUNTERS``) and ``trainpatrol_agent_info``, and their part of /metrics."""
 
 from __future__ import annotations
 
