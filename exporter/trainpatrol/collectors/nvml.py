@@ -42,20 +42,12 @@ class NvmlCollector:
     """Bound on one nvmlEventSetWait, so that stop() returns within a second. Every bound that
     passes without an event wakes the XID thread, so it is not shorter (docs/benchmarks.md)."""
 
-    def __init__(
-        self,
-        nvml: object | None = None,
-        *,
-        interval_seconds: float = 1.0,
-        slow_interval_seconds: float = 5.0,
-        pcie: bool = False,
-        processes: bool = False,
-        pid_to_rank: Callable[[], dict[int, tuple[str, str]]] | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, nvml: object | None = None, *, interval_seconds: float = 1.0, slow_interval_seconds: float = 5.0,
+                 pcie: bool = False, processes: bool = False,
+                 pid_to_rank: Callable[[], dict[int, tuple[str, str]]] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         if not interval_seconds > 0:
-            raise ValueError(
-                f"`NvmlCollector(interval_seconds={interval_seconds!r})` is not a positive interval.")
+            raise ValueError(f"`NvmlCollector(interval_seconds={interval_seconds!r})` is not a positive interval.")
         if not slow_interval_seconds >= 0:
             raise ValueError(f"`NvmlCollector(slow_interval_seconds={slow_interval_seconds!r})` is not an interval "
                              "of 0 seconds (every sample) or more.")
@@ -95,10 +87,8 @@ class NvmlCollector:
         if self._threads:
             return
         self._stop.clear()
-        self._threads = [
-            threading.Thread(target=self._run_sampler, name="trainpatrol-nvml", daemon=True),
-            threading.Thread(target=self._run_events, name="trainpatrol-nvml-xid", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._run_sampler, name="trainpatrol-nvml", daemon=True),
+                         threading.Thread(target=self._run_events, name="trainpatrol-nvml-xid", daemon=True)]
         for thread in self._threads:
             thread.start()
 
@@ -144,17 +134,10 @@ class NvmlCollector:
         """The last sample, the current error and the XID counts, as JSON-able data."""
         with self._lock:
             sample, error = copy.deepcopy(self._sample) or {}, self._error
-            xids = [
-                {"gpu": gpu, "uuid": uuid, "xid": xid, "count": count, "last_timestamp_seconds": last}
-                for (gpu, uuid, xid), (count, last) in sorted(self._xids.items())
-            ]
-        return {
-            "error": error or None,
-            "timestamp": sample.get("timestamp"),
-            "driver_version": sample.get("driver_version", ""),
-            "gpus": sample.get("gpus", []),
-            "xid": xids,
-        }
+            xids = [{"gpu": gpu, "uuid": uuid, "xid": xid, "count": count, "last_timestamp_seconds": last}
+                    for (gpu, uuid, xid), (count, last) in sorted(self._xids.items())]
+        return {"error": error or None, "timestamp": sample.get("timestamp"),
+                "driver_version": sample.get("driver_version", ""), "gpus": sample.get("gpus", []), "xid": xids}
 
     def sample_once(self) -> float:
         """Sample every GPU, initialising NVML first if needed; returns the seconds until the next try."""
@@ -164,11 +147,9 @@ class NvmlCollector:
                 gpus = self._gpus if self._gpus is not None else self._init()
                 ranks = self._ranks() if self._processes else None
                 slow = started >= self._slow_due
-                samples = [
-                    ns.sample_gpu(info, self._read(handle, info["uuid"], slow), driver_version=self._driver_version,
-                                  timestamp=self._clock(), pid_to_rank=ranks)
-                    for handle, info in gpus
-                ]
+                samples = [ns.sample_gpu(info, self._read(handle, info["uuid"], slow),
+                                         driver_version=self._driver_version, timestamp=self._clock(),
+                                         pid_to_rank=ranks) for handle, info in gpus]
                 for sample in samples:
                     if sample["uuid"] in self._mig:
                         sample["series"].update(ns.mig_series(self._call, self._mig[sample["uuid"]]))
@@ -190,8 +171,8 @@ class NvmlCollector:
         """This GPU's readings: all of them when ``slow``, else the fast ones over the last slow ones."""
         last = self._last_raw.get(uuid)
         if slow or last is None:
-            raw = self._last_raw[uuid] = ns.read_gpu(self._call, handle, pcie=self._pcie, processes=self._processes)
-            return raw
+            self._last_raw[uuid] = ns.read_gpu(self._call, handle, pcie=self._pcie, processes=self._processes)
+            return self._last_raw[uuid]
         return {**last, **ns.read_gpu(self._call, handle, pcie=self._pcie, processes=self._processes, slow=False)}
 
     # -- sampler -------------------------------------------------------------------------------
