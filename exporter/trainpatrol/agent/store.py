@@ -28,8 +28,7 @@ ENDED_STATES = ("closed", "stopped")
 
 @dataclass
 class RankEntry:
-    snapshot: RankSnapshot
-    """The rank's last push."""
+    snapshot: RankSnapshot  # the rank's last push
     last_push: float
     last_step_advance: float
 
@@ -73,12 +72,9 @@ class RankStore:
         self._run_ranks: dict[RunId, int] = {}  # with the two below, what the bounds are checked against
         self._series = 0
         self._run_series: dict[RunId, int] = {}
-        self._came: dict[RunId, float] = {}
-        """When each run's first rank came (or its key was bound again)."""
-        self._trained: set[RunId] = set()
-        """Runs some rank of which advanced a step."""
-        self._targets: dict[int, frozenset[str]] = {}
-        """Per queued command, the instances of the ranks it is for (the incarnation live when asked)."""
+        self._came: dict[RunId, float] = {}  # when each run's first rank came (or its key was bound again)
+        self._trained: set[RunId] = set()  # runs some rank of which advanced a step
+        self._targets: dict[int, frozenset[str]] = {}  # per command, the instances live when it was asked for
         self._version = 0  # writes and expiries so far: what /metrics has to write again for
         self._next_expiry = float("inf")  # nothing is due to expire before (maybe earlier than the first due)
         self._up_flags: tuple[int, tuple[bool, ...], float] = (-1, (), float("-inf"))
@@ -120,7 +116,8 @@ class RankStore:
                 return []  # the common case: nothing queued, so nothing to retire or hand out
             self._retire(run, now)
             done = set(snap.done_commands)
-            return [c for c in self._commands.get(run, []) if c.id not in done and self._reaches(c, snap)]
+            return [c for c in self._commands.get(run, []) if c.id not in done  # and for this incarnation:
+                    and (self._targets.get(c.id) is None or snap.instance in self._targets[c.id])]
 
     def _admit(self, snap: RankSnapshot, run: RunId, new_rank: bool, held: int, now: float) -> None:
         """Bounds.admit; over a bound, runs that give way are dropped, oldest push first, until it fits."""
@@ -138,9 +135,8 @@ class RankStore:
                 self._drop_run(min(yielding, key=last_push.__getitem__), "evicted")
 
     def _gives_way(self, run: RunId, now: float) -> bool:
-        """A run that keeps no one from training: every rank ended or down, or it never trained in
-        ``squat_seconds`` since it came (a name held by pushes alone). Such a run's name goes to a push
-        with another key (a relaunch), and its room to a new run over a bound."""
+        """Every rank ended or down, or none trained in ``squat_seconds`` since it came (a name held by pushes
+        alone): its name goes to a push with another key (a relaunch), its room to a new run over a bound."""
         entries = self._run_entries(run)
         return all(e.snapshot.state in ENDED_STATES or not self.is_up(e, now) for e in entries) or (
             run not in self._trained and now - self._came.get(run, now) > self.squat_seconds)
@@ -160,13 +156,8 @@ class RankStore:
         for _ in gone:
             self._count("dropped", reason)
 
-    def _reaches(self, command: Command, snap: RankSnapshot) -> bool:
-        targets = self._targets.get(command.id)
-        return targets is None or snap.instance in targets
-
     def _undone(self, run: RunId, commands: list[Command]) -> list[Command]:
-        """Those of ``commands`` that some current rank of their incarnation has not carried out (none
-        when the run has no rank)."""
+        """Those of ``commands`` some current rank of their incarnation has not carried out (none without ranks)."""
         ranks = self._run_snapshots(run)
         instances = {r.instance for r in ranks}
         return [c for c in commands if not all(c.id in r.done_commands for r in ranks)
@@ -188,10 +179,9 @@ class RankStore:
         return [e.snapshot for e in self._run_entries(run)]
 
     def enqueue(self, command: Command) -> tuple[Enqueued, Command]:
-        """Queue a command for its run. Returns the outcome and the command the ranks will carry out:
-        ``duplicate`` (this id was queued before), ``coalesced`` (a command of the same action that no
-        rank has acted on yet stands for it: one alert group of per-rank alerts made a checkpoint per
-        alert), ``rate_limited`` (the run's actions of this kind per minute are used up) or ``queued``."""
+        """Queue a command for its run; returns the outcome and the command the ranks will carry out:
+        ``duplicate`` (id queued before), ``coalesced`` (a command of the same action no rank acted on yet
+        stands for it, so an alert group of per-rank alerts makes one checkpoint), ``rate_limited`` or ``queued``."""
         with self._lock:
             if command.id in self._seen_commands:
                 return "duplicate", command
@@ -226,8 +216,8 @@ class RankStore:
                               else self.expire_after)
 
     def expire(self) -> None:
-        """Removes ranks and command queues past their TTL. Scans only once something is due:
-        every scrape calls this, and a scan of every rank per scrape cost more than the scrape."""
+        """Removes ranks and command queues past their TTL; scans only once something is due (every
+        scrape calls this, and a scan per scrape cost more than the scrape)."""
         now = self._clock()
         with self._lock:
             if now < self._next_expiry:
@@ -284,9 +274,8 @@ class RankStore:
 
     # --- for /metrics (collectors.ranks.RankSource) -----------------------------------------------
     def state(self) -> tuple[int, tuple[bool, ...]]:
-        """Writes and expiries so far, and ``is_up`` of each rank in order: the rank lines change
-        with these alone (up flips with the clock, without any push). Asked at every scrape, so the
-        flags are worked out again only after a write or once the first up rank's TTL has passed."""
+        """Writes and expiries so far, and ``is_up`` of each rank in order (up flips with the clock alone).
+        Asked at every scrape: the flags are worked out again only after a write or an up rank's TTL."""
         self.expire()
         now = self._clock()
         with self._lock:
@@ -320,8 +309,7 @@ class RankStore:
             return self._undone((namespace, run), queue) if self._run_entries((namespace, run)) else list(queue)
 
     def bound_at(self, run: str, namespace: str = "") -> float | None:
-        """When the run's key was bound (agent clock), None for a keyless run: an alert that began
-        before cannot be about this run's series (agent.alerts)."""
+        """When the run's key was bound (agent clock; None for a keyless run), for agent.alerts."""
         with self._lock:
             return self._keys.bound_at((namespace, run))
 
