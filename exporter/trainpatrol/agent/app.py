@@ -57,9 +57,7 @@ class Agent:
     def __init__(self, config: AgentConfig, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
-        self.identity_key = secrets.token_hex(32)
-        """Proves this agent to its user's ranks when they have no token (trainpatrol.handshake); a
-        loopback agent's server writes it to the user's key file."""
+        self.identity_key = secrets.token_hex(32)  # proves the agent to its user's ranks (trainpatrol.handshake)
         self.bounds = Bounds.of(config)
         self.stats = AgentStats(config.mode)
         self.store = RankStore(config.rank_up_ttl_seconds, config.rank_expire_seconds,
@@ -76,16 +74,13 @@ class Agent:
                                  lambda outcome: self.stats.count("alerts", outcome), clock)
         self.alert_log = self.webhooks.log
         self.api = build_api(self)
-        self.last_push = time.monotonic()
-        """When a rank last pushed, accepted or refused (or the agent started): scrapes and API calls do not
-        keep an idle agent up."""
+        self.last_push = time.monotonic()  # a push, accepted or refused: scrapes and API calls keep no agent up
         self.app = Edge(self.api, hosts=HostCheck(config.host, config.allowed_hosts), stats=self.stats, config=config,
                         identity_key=self.identity_key)
 
     def accept_push(self, snapshot: RankSnapshot, proof: PushProof) -> list[Command]:
-        """Store a valid push that ``proof`` allows; returns the commands for its reply. Raises
-        ``PushRefused`` (403) for a namespace the token does not reach, or a run bound to another key,
-        and ``Refused`` for a push over a bound, counted here."""
+        """Store a valid push that ``proof`` allows; returns the commands for its reply. Raises, counted,
+        ``PushRefused`` (403: a namespace out of the token's reach, a run bound to another key) or ``Refused``."""
         self.last_push = time.monotonic()  # a refused push too: its rank is alive, and an embedded agent stays up
         if not proof.scope.allows(snapshot.namespace):
             self.stats.count("pushes", "wrong_namespace")
@@ -105,8 +100,8 @@ class Agent:
         return commands
 
     def _check_gpu(self, snapshot: RankSnapshot) -> None:
-        """A rank may name only a GPU of this node (read by NVML): a push that claims another run's GPU
-        elsewhere, or one this node does not have, would put that GPU's alerts on its own run."""
+        """A rank may name only a GPU of this node (read by NVML): claiming another one would put that GPU's
+        alerts on its own run."""
         named = {snapshot.gpu_uuid, *(s.labels.get("gpu_uuid", "") for s in snapshot.samples
                                       if s.name == "trainpatrol_rank_info")} - {""}
         known = self.nvml.uuids() if self.nvml is not None and named else frozenset()
@@ -161,17 +156,13 @@ class ActionAccepted(BaseModel):
     """The answer to an action: queued for the run's live ranks, who hear it with their next push."""
 
     accepted: bool
-    id: int
-    """The command the ranks will carry out: an earlier one of the same action when ``coalesced``."""
+    id: int  # the command they will carry out: an earlier one of the same action when ``coalesced``
     run: str
     namespace: str = ""
     action: str
     coalesced: bool = False
-    """A command of the same action that no rank has acted on yet was queued before: it stands for this one."""
-    hosted: bool
-    """Some rank of the run has pushed to this agent (always true when accepted)."""
-    live: bool
-    """Some rank of the run is live: it pushed within the liveness TTL and neither closed nor stopped."""
+    hosted: bool  # some rank of the run pushed here (always, when accepted)
+    live: bool  # some rank pushed within the liveness TTL and neither closed nor stopped
     live_ranks: int
 
 

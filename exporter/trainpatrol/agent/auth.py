@@ -126,9 +126,8 @@ def digest(key: str) -> bytes:
 
 
 Binding = Literal["same", "bound", "rebound", "refused", "keyless"]
-"""What a push's key does to its run: proves the bound key; binds a key to a run that had none (its
-keyless ranks go) or in place of another (its ranks go); is refused; or is a keyless push into a
-keyless run."""
+"""What a push's key does to its run: proves its key; binds one to a run that had none (its keyless ranks go)
+or in place of another (its ranks go); is refused; or is a keyless push into a keyless run."""
 
 
 class RunKeys:
@@ -136,9 +135,8 @@ class RunKeys:
 
     def __init__(self, remembered: int = 10_000) -> None:
         self._bound: dict[RunId, tuple[bytes, float]] = {}
-        self._keyed: OrderedDict[RunId, None] = OrderedDict()
-        """Run names a keyed push ever used, the newest ``remembered``: keyless pushes stay out of them
-        for good, also after the keyed run's series expired."""
+        self._keyed: OrderedDict[RunId, None] = OrderedDict()  # the newest run names a keyed push used:
+        # keyless pushes stay out of them for good, also after the keyed run's series expired
         self._remembered = remembered
 
     def admit(self, run: RunId, key_digest: bytes, replaceable: Callable[[RunId], bool], now: float) -> Binding:
@@ -179,9 +177,9 @@ def host_name(header: str) -> str | None:
     """The name in a Host header value (``name``, ``name:port``, ``[v6]:port``), lower-cased; None if malformed."""
     if header.startswith("["):
         name, _, rest = header[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else rest
         if rest and not rest.startswith(":"):
             return None
+        port = rest[1:]
     else:
         name, _, port = header.partition(":")
     if (port and not (port.isdigit() and len(port) <= 5)) or not name or ":" in port:
