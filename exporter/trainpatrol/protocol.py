@@ -129,8 +129,7 @@ class RankSnapshot(BaseModel):
     time: float = 0.0
     step: int = Field(default=0, ge=0)
     step_time: float = Field(default=0.0, ge=0)
-    """The rank's wall clock when its last step ended (0 before the first): the agent's last-step timestamp
-    to the sub-second, kept between this rank's previous push and this one."""
+    """The rank's wall clock when its last step ended (0 before the first), for the agent's last-step time."""
     state: RankState = "running"
     samples: list[Sample] = Field(default_factory=list, max_length=4096)
     histogram: Histogram | None = None
@@ -143,8 +142,8 @@ class RankSnapshot(BaseModel):
     @field_validator("samples")
     @classmethod
     def _known(cls, samples: list[Sample]) -> list[Sample]:
-        """Every sample is a catalogue metric with its own labels. One loop, not a validator per
-        sample: this runs for each sample of every push, the agent's busiest code."""
+        """Every sample is a catalogue metric with its own labels: one loop, not a validator per sample (the
+        agent's busiest code)."""
         for i, s in enumerate(samples):
             expected = _LABELS.get(s.name)
             if expected is None:

@@ -1,8 +1,6 @@
-"""What the package ships besides code: the rules, the Alertmanager example, the dashboards, the runbooks and
-the chart's values documentation, read from ``trainpatrol/data/`` and written out by ``trainpatrol export``.
-
-In a source checkout ``data/`` holds symlinks to the sources (``alerting/``, ``dashboards/``, ``docs/``), so
-git keeps one copy and nothing can drift; a built wheel holds the files themselves.
+"""What the package ships besides code (rules, the Alertmanager example, dashboards, runbooks, the chart's
+values guide), read from ``trainpatrol/data/`` and written out by ``trainpatrol export``. In a checkout
+``data/`` holds symlinks to the sources, so nothing can drift; a built wheel holds the files themselves.
 """
 
 from __future__ import annotations

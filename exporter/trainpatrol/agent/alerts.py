@@ -1,11 +1,9 @@
 """The Alertmanager webhook: its payloads (version 4), how an alert becomes a command, and ``Webhooks``,
-which makes each alert of a payload a command for its (namespace, run) or delivers it to the peer
-that hosts the run (agent.peers).
+which makes each alert a command for its (namespace, run) or delivers it to the peer hosting the run.
 
-Idempotent on (fingerprint, startsAt): a duplicate answers 2xx. An alert is marked seen only once it
-was acted on or delivered to its peer; one that could not be (no live rank, rate-limited, a failed
-forward) is forgotten, so Alertmanager's re-send is handled again. A failed forward answers 503, which
-Alertmanager re-sends; after a 4xx it would wait a group_interval, and a 2xx ends it.
+Idempotent on (fingerprint, startsAt): a duplicate answers 2xx. An alert that could not be acted on or
+delivered (no live rank, rate-limited, a failed forward) is not marked seen, so Alertmanager's re-send is
+handled again; a failed forward answers 503, which it re-sends at once (after a 4xx it would wait).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ Name = Annotated[Text, Field(max_length=256)]
 Value = Annotated[Text, Field(max_length=1024)]
 Labels = Annotated[dict[Name, Value], Field(max_length=64)]
 Annotations = Annotated[dict[Name, Annotated[Text, Field(max_length=8192)]], Field(max_length=64)]
-"""Bounded and printable: an alert's labels and annotations are stored (dedupe keys, the alert log, queued
-commands), served back by /v1/alerts and /v1/runs, and printed. Alertmanager's own stay far below."""
+"""Bounded and printable: they are stored, served back by /v1/alerts and /v1/runs, and printed."""
 Url = Annotated[str, Field(max_length=4096)]
 
 
@@ -99,8 +96,8 @@ class Deduper:
 
 
 def _began_before(alert: Alert, bound_at: float | None) -> bool:
-    """The alert began firing before its run's key was bound: its series were not the run's (keyless
-    pushes under the name, dropped when the run bound its key). Unparsable times are not held against it."""
+    """The alert began before its run's key was bound, so from series not the run's (keyless pushes under its
+    name); an unparsable time is not held against it."""
     if bound_at is None:
         return False
     text = re.sub(r"(\.\d{6})\d+", r"\1", alert.startsAt)  # Go writes nanoseconds; Python reads microseconds

@@ -1,9 +1,7 @@
-"""The peer forwarder: alerts for runs this agent does not host go to the peer that does (the
-``router`` mode of the agent serves only this).
-
-Only known peers are used (a configured list, or the addresses a DNS name resolves to); forwarded
-payloads carry the token and a marker header, and a forwarded payload is never forwarded again.
-Delivery is synchronous, so the webhook can answer 5xx for an alert its peer did not take.
+"""The peer forwarder: alerts for runs this agent does not host go to the peer that does (all the
+``router`` mode does). Only known peers are used (configured, or a DNS name's addresses); a forwarded
+payload carries the token and a marker header and is never forwarded again. Delivery is synchronous, so
+the webhook can answer 5xx for an alert its peer did not take.
 """
 
 from __future__ import annotations
@@ -49,11 +47,9 @@ class PeerForwarder:
         return [p for p in dict.fromkeys(peers) if p not in me]
 
     def deliver(self, alerts: list[Alert], payload: dict[str, object]) -> list[str]:
-        """Posts each alert to the peer hosting its run, the peers in parallel, and waits: an alert
-        counts as handled only once its peer took it (DESIGN, Security model). Returns an outcome per
-        alert: ``forwarded``; ``forward_failed`` (the peer refused or did not answer, or a peer that
-        might host the run did not list its runs: Alertmanager must re-send); ``no_peer`` (every
-        peer answered, and none hosts the run)."""
+        """Posts each alert to the peer hosting its run, the peers in parallel, and waits (an alert is handled
+        once its peer took it). Per alert: ``forwarded``; ``forward_failed`` (the peer refused or did not
+        answer, or one that might host the run did not list its runs: Alertmanager must re-send); ``no_peer``."""
         peers = self.peers()
         listings: dict[str, list[tuple[str, str]] | None] = {p: [] for p in peers}
         if any(a.labels.get("instance", "") not in listings for a in alerts):  # some run must be looked up
@@ -96,8 +92,7 @@ class PeerForwarder:
         return [p for p, runs in listings.items() if runs is not None and run in runs]
 
     def _peer_runs(self, peer: str) -> list[tuple[str, str]] | None:
-        """The (namespace, run) pairs a peer hosts; None when it did not answer (never cached: a peer
-        back up is asked again at once)."""
+        """The (namespace, run) pairs a peer hosts; None when it did not answer (never cached)."""
         now = time.monotonic()
         with self._lock:
             cached = self._runs_cache.get(peer)

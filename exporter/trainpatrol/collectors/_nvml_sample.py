@@ -86,9 +86,8 @@ def mig_series(call: Call, instances: Sequence[MigInstance]) -> Series:
 
 SLOW_CALLS = ("nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTotalEnergyConsumption",
               "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth", "nvmlDeviceGetRemappedRows")
-"""Read every slow interval, with ECC, retired pages and PCIe throughput (calls with arguments, in
-read_gpu): counters, settings that rarely move (power limit, PCIe link), and the calls that block
-(energy, PCIe throughput), each a wake-up of the sampler."""
+"""Read every slow interval, with ECC, retired pages and PCIe throughput (read_gpu): counters, settings that
+rarely move, and the calls that block (energy, PCIe throughput)."""
 
 
 def read_gpu(call: Call, handle: object, *, pcie: bool, processes: bool, slow: bool = True) -> dict[str, Any]:
@@ -222,10 +221,9 @@ def families(gpus: Sequence[Mapping[str, Any]], xids: Mapping[Labels, tuple[int,
     return out
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=8192)  # bounded: a node's GPUs, MIG instances and XID codes come back every sample
 def _label_items(names: tuple[str, ...], labels: Labels) -> tuple[tuple[str, str], ...]:
-    """A series' labels sorted by name: the same GPUs' series come back every sample (bounded: a
-    node's GPUs, their MIG instances and XID codes)."""
+    """A series' labels sorted by name."""
     return tuple(sorted(zip(names, labels, strict=True)))
 
 

@@ -20,8 +20,8 @@ from . import _nvml_sample as ns
 
 log = logging.getLogger(__name__)
 
-# After these errors the handles are useless: re-initialise NVML, with backoff, instead of carrying on.
-# Uninitialized, DriverNotLoaded, LibraryNotFound, GpuIsLost, ResetRequired, LibRmVersionMismatch.
+# Uninitialized, DriverNotLoaded, LibraryNotFound, GpuIsLost, ResetRequired, LibRmVersionMismatch: the handles
+# are useless, so NVML is initialised again, with backoff
 _LOST_CODES = frozenset({1, 9, 12, 15, 16, 18})
 _ROUTINE_CODES = frozenset({3, 13})  # NotSupported, FunctionNotFound: the series is simply left out
 _TIMEOUT = 10
@@ -38,9 +38,7 @@ class NvmlCollector:
     """Samples every GPU on a background thread and counts XID events on another."""
 
     max_backoff_seconds = 60.0
-    event_timeout_ms = 1000
-    """Bound on one nvmlEventSetWait, so that stop() returns within a second. Every bound that
-    passes without an event wakes the XID thread, so it is not shorter (docs/benchmarks.md)."""
+    event_timeout_ms = 1000  # bounds one nvmlEventSetWait so stop() returns within a second; each wakes the thread
 
     def __init__(self, nvml: object | None = None, *, interval_seconds: float = 1.0, slow_interval_seconds: float = 5.0,
                  pcie: bool = False, processes: bool = False,
@@ -53,11 +51,8 @@ class NvmlCollector:
                              "of 0 seconds (every sample) or more.")
         self._nvml: Any = nvml
         self.interval_seconds = interval_seconds
-        self.slow_interval_seconds = slow_interval_seconds
-        """Energy, ECC, retired pages, remapped rows, power limit and PCIe (ns.SLOW_CALLS) are read
-        this often; samples in between carry their last readings."""
-        self.stale_after_seconds = max(5.0, 5 * interval_seconds)
-        """collect() fails when the last sample is older than this (a hung NVML call, say)."""
+        self.slow_interval_seconds = slow_interval_seconds  # for ns.SLOW_CALLS; samples between carry them
+        self.stale_after_seconds = max(5.0, 5 * interval_seconds)  # collect() fails past it (a hung NVML call)
         self._pcie, self._processes = pcie, processes
         self._pid_to_rank = pid_to_rank
         self._clock = clock
@@ -65,11 +60,9 @@ class NvmlCollector:
         self._sample: dict[str, Any] | None = None
         self._error = "NVML has not been sampled yet"
         self._xids: dict[ns.Labels, tuple[int, float]] = {}
-        self._news = 0
-        """Samples, failures and XID events so far: what moves the version."""
+        self._news = 0  # samples, failures and XID events so far: what moves the version
         self._gpus: list[Gpu] | None = None  # set while NVML is initialised for the sampler
-        self._mig: dict[str, list[ns.MigInstance]] = {}
-        """The MIG instances of each GPU in MIG mode, by the GPU's uuid."""
+        self._mig: dict[str, list[ns.MigInstance]] = {}  # by the uuid of each GPU in MIG mode
         self._generation = 0  # bumped on every (re-)initialisation, so the event thread re-registers
         self._driver_version = ""
         self._last_raw: dict[str, dict[str, Any]] = {}  # by uuid: the last readings, slow ones included
