@@ -28,35 +28,27 @@ FAKE_DELAYS_ENV = "TRAINPATROL_NVML_FAKE_DELAYS"
 """JSON {"nvmlFunction": seconds} slowing the fake's calls as on real GPUs (bench/scrape.py)."""
 
 
-def build_nvml(config: AgentConfig, agent_store_pids: Any) -> Any:
-    """The NVML collector, real or fed by a recorded fixture; None when switched off."""
+def build_agent(config: AgentConfig) -> Agent:
+    """The agent, with its NVML collector (real, or fed by a recorded fixture) unless that is switched off."""
+    config.load()
     if not config.nvml:
-        return None
+        return Agent(config)
     from ..collectors.nvml import NvmlCollector
 
     source: Any = None
-    if config.nvml_fake:
+    if config.nvml_fake:  # the fake is fake.py beside the fixture (config.load checked both exist)
         delays = json.loads(os.environ.get(FAKE_DELAYS_ENV) or "{}")
-        source = load_fake_nvml(config.nvml_fake).FakeNvml.from_fixture(config.nvml_fake, delays=delays)
-    return NvmlCollector(source, interval_seconds=config.nvml_interval_seconds,
-                         slow_interval_seconds=config.nvml_slow_interval_seconds, pcie=config.nvml_pcie,
-                         processes=config.nvml_processes, pid_to_rank=agent_store_pids)
-
-
-def load_fake_nvml(fixture: str) -> Any:
-    """The module ``fake.py`` beside the fixture (config.load checked both exist)."""
-    spec = importlib.util.spec_from_file_location("trainpatrol_nvml_fake", fake_module(fixture))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-def build_agent(config: AgentConfig) -> Agent:
-    config.load()
+        spec = importlib.util.spec_from_file_location("trainpatrol_nvml_fake", fake_module(config.nvml_fake))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+        source = module.FakeNvml.from_fixture(config.nvml_fake, delays=delays)
     agent: Agent  # bound before the NVML sampler first asks for the ranks' pids
-    agent = Agent(config, nvml=build_nvml(config, lambda: agent.store.pid_to_rank()))
+    agent = Agent(config, nvml=NvmlCollector(source, interval_seconds=config.nvml_interval_seconds,
+                                             slow_interval_seconds=config.nvml_slow_interval_seconds,
+                                             pcie=config.nvml_pcie, processes=config.nvml_processes,
+                                             pid_to_rank=lambda: agent.store.pid_to_rank()))
     return agent
 
 
