@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exposition_check import Scraped, Watched, text
 from nvml_fake.fake import FakeNvml, MigInstance
 from trainpatrol.catalogue import NVML_METRICS
-from trainpatrol.collectors import _nvml_sample as ns
+from trainpatrol.collectors import nvml as ns
 from trainpatrol.collectors.nvml import NvmlCollector, NvmlUnavailable
 from trainpatrol.collectors.registry import Registry
 
