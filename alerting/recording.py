@@ -53,8 +53,8 @@ VAL_LOSS_RUN = "run:trainpatrol_validation_loss:avg"
 
 
 def group(cfg: Config) -> Group:
-    """Per-rank states and means, and the run medians the straggler and liveness alerts compare a rank with;
-    the join table from GPUs to ranks."""
+    """Per-rank states and means that the liveness, throughput and rollup rules read, the run's step and compute
+    medians, and the join table from GPUs to ranks."""
     rank_on = rank_labels(cfg)
     run_on = run_labels(cfg)
     gpu_on = gpu_labels(cfg)

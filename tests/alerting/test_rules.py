@@ -404,6 +404,27 @@ def test_fast_profile_fires_within_seconds_at_1s_intervals(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@needs_promtool
+def test_fast_profile_straggler_compares_each_rank_with_the_median_of_the_same_instant(tmp_path: Path) -> None:
+    """Four even ranks whose compute times all jump at once (a step that every rank spent waiting) name no
+    straggler, even when the alert is evaluated before the recording group (a loaded Prometheus runs its groups
+    at their own offsets): a median recorded an interval earlier would put every rank past 1.2."""
+    (tmp_path / "fast.yml").write_text(_generate("--profile", "fast").stdout)
+    ranks = [f'job="trainpatrol",instance="127.0.0.1:9400",run="even",rank="{r}"' for r in range(4)]
+    waited = "0+1x30 130+1x29"  # 100 s of compute more at 31 s on every rank
+    inputs = "".join(f"      - series: 'trainpatrol_step_total{{{rank}}}'\n        values: '0+1x60'\n"
+                     f"      - series: 'trainpatrol_compute_seconds_total{{{rank}}}'\n        values: '{waited}'\n"
+                     for rank in ranks)
+    quiet = "".join(f"      - expr: ALERTS{{alertname=\"TrainPatrolStraggler\"}}\n        eval_time: {t}s\n"
+                    "        exp_samples: []\n" for t in range(20, 60))
+    (tmp_path / "straggler.test.yml").write_text(
+        "rule_files: [fast.yml]\nevaluation_interval: 1s\n"
+        "group_eval_order: [trainpatrol-throughput, trainpatrol-recording, trainpatrol-run]\n"
+        f"tests:\n  - interval: 1s\n    input_series:\n{inputs}    promql_expr_test:\n{quiet}")
+    result = _run(str(PROMTOOL), "test", "rules", "straggler.test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # The demo's validation loss every 25 steps (about 1 s) on its noisy regression: a healthy run whose
 # fixed 512-sample validation set swings up to 2.7 % above its best for a second at a time.
 DEMO_VALIDATION = "1.2144 1.2413 1.1878 1.1541 1.1867 1.1732 1.185 1.1628 1.1684 1.1664 1.1615 1.172 1.1686 1.1711"
