@@ -75,8 +75,8 @@ def group(cfg: Config) -> Group:
     loader = f"(\n{indent(loader_ratio)}\n)\n> {num(cfg.loader_wait_ratio)}\n" + unless_halted(run_on, "2m")
     # A rank's mean over its run's median rank (1.5: half as slow again): its compute time where it measures
     # one (CPU ranks), its step time otherwise, which lock-step parallelism evens out. The median is taken here,
-    # of the same instant's means: one recorded by another group can be an interval old, and a step that every
-    # rank spent waiting then puts every rank past the threshold at once.
+    # of the same instant's means: one recorded by another group can be an interval old, and when every rank's
+    # mean jumps at once that puts every rank past the threshold.
     def over_median(per_rank: str) -> str:
         return (f"{per_rank}\n/ on ({run_on}) group_left ()\n"
                 f"(quantile by ({run_on}) (0.5, {per_rank}) > 0)")

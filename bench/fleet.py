@@ -546,8 +546,9 @@ class Watch:
     rule_samples: dict[str, list[float]] = field(default_factory=dict)
     """Each group's last evaluation time at every sample, for its median."""
     slowest_rules: dict[str, float] = field(default_factory=dict)
-    rule_evaluations: dict[str, list[float]] = field(default_factory=dict)
     """The most each rule's own evaluation took (/api/v1/rules), by group/rule name."""
+    rule_evaluations: dict[str, list[float]] = field(default_factory=dict)
+    """Each rule's own evaluation time at every sample, for its median."""
     missed: dict[str, float] = field(default_factory=dict)
     named_by: dict[tuple[str, bool], list[str]] = field(default_factory=dict)
     """The alerts or series that named the fault rank first, by (watch, after the fault)."""
