@@ -131,8 +131,8 @@ class RankStore:
                 yielding = [r for r in self._run_ranks if r != run and self._gives_way(r, now)]
                 if exc.reason == "max_series_per_run" or not yielding:
                     raise
-                last_push = {r: max((e.last_push for e in self._run_entries(r)), default=0.0) for r in yielding}
-                self._drop_run(min(yielding, key=last_push.__getitem__), "evicted")
+                self._drop_run(min(yielding, key=lambda r: max((e.last_push for e in self._run_entries(r)),
+                                                               default=0.0)), "evicted")
 
     def _gives_way(self, run: RunId, now: float) -> bool:
         """Every rank ended or down, or none trained in ``squat_seconds`` since it came (a name held by pushes
@@ -171,8 +171,10 @@ class RankStore:
         self._untarget(queue, self._commands[run])
 
     def _untarget(self, queue: list[Command], kept: list[Command]) -> None:
+        """Forgets the targets of the commands of ``queue`` that are not ``kept``."""
+        kept_ids = {c.id for c in kept}
         for c in queue:
-            if c not in kept:
+            if c.id not in kept_ids:
                 self._targets.pop(c.id, None)
 
     def _run_snapshots(self, run: RunId) -> list[RankSnapshot]:

@@ -120,12 +120,13 @@ class RankCollector:
                 plain = labels_of[rank] = _sorted(rank_labels(snap))
             if snap.histogram is not None:
                 fam, counts = families[_HISTOGRAM], snap.histogram.counts
-                for le, count in zip(_BOUNDS, counts, strict=True) if full else ():
-                    bucket = (rank, le)
-                    labels = labels_of.get(bucket)
-                    if labels is None:
-                        labels = labels_of[bucket] = _sorted(plain | {"le": le})
-                    fam.add_sample(_HISTOGRAM + "_bucket", labels, count)
+                if full:
+                    for le, count in zip(_BOUNDS, counts, strict=True):
+                        bucket = (rank, le)
+                        labels = labels_of.get(bucket)
+                        if labels is None:
+                            labels = labels_of[bucket] = _sorted(plain | {"le": le})
+                        fam.add_sample(_HISTOGRAM + "_bucket", labels, count)
                 fam.add_sample(_HISTOGRAM + "_count", plain, counts[-1])
                 fam.add_sample(_HISTOGRAM + "_sum", plain, snap.histogram.sum)
                 summed, total = run_steps.get(of_run, ([0.0] * len(counts), 0.0))
