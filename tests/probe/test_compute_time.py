@@ -43,3 +43,54 @@ def test_compute_time_leaves_out_the_wait_for_data(tmp_path: Path) -> None:
     assert totals.steps == 12
     assert 0.045 <= totals.compute / 12 <= 0.09, totals.compute
     assert totals.step_sum / 11 >= 0.14 and totals.loader_wait / 12 >= 0.095
+
+
+def pushed(patrol: Patrol) -> dict[str, float]:
+    return {s["name"]: s["value"] for s in patrol._report.snapshot()["samples"]
+            if s["name"] in ("trainpatrol_step_total", "trainpatrol_compute_seconds_total")}
+
+
+def test_the_compute_counter_is_pushed_at_zero_with_the_step_counter_before_the_first_step(tmp_path: Path) -> None:
+    """Both counters' first samples fall in one scrape: a rate ratio of counters whose first samples differ by a
+    scrape skews a young run's per-step compute mean by that scrape's share of the window."""
+    model = torch.nn.Linear(4, 1)
+    patrol = Patrol(model=model, config=PatrolConfig(
+        run="compute", agent_url="http://127.0.0.1:9", embedded_agent=False, checkpoint_dir=str(tmp_path / "ckpt"),
+        evidence_dir=str(tmp_path / "evidence"), push_interval_seconds=3600, guard_actions={}))
+    try:
+        assert pushed(patrol) == {"trainpatrol_step_total": 0.0, "trainpatrol_compute_seconds_total": 0.0}
+        model(torch.ones(1, 4)).sum().backward()
+        patrol.step(torch.tensor(1.0))
+        after = pushed(patrol)
+        assert after["trainpatrol_step_total"] == 1.0 and after["trainpatrol_compute_seconds_total"] > 0
+    finally:
+        patrol.close()
+
+
+class UnusedFirst(torch.nn.Module):
+    """Its first parameter takes no part in the forward, as FSDP2's sharded parameters take none in autograd's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.ones(1))
+        self.used = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.used(x)
+        return out
+
+
+def test_a_rank_whose_first_gradient_autograd_never_accumulates_stops_pushing_compute_time(tmp_path: Path) -> None:
+    """After its first step closes with no end seen, the rank pushes no compute time: the Straggler rule reads its
+    step time instead of a compute time stuck at 0."""
+    model = UnusedFirst()
+    patrol = Patrol(model=model, config=PatrolConfig(
+        run="compute", agent_url="http://127.0.0.1:9", embedded_agent=False, checkpoint_dir=str(tmp_path / "ckpt"),
+        evidence_dir=str(tmp_path / "evidence"), push_interval_seconds=3600, guard_actions={}))
+    try:
+        for _ in range(2):
+            model(torch.ones(1, 4)).sum().backward()
+            patrol.step(torch.tensor(1.0))
+        assert pushed(patrol) == {"trainpatrol_step_total": 2.0}
+    finally:
+        patrol.close()

@@ -26,11 +26,14 @@ EVENT_PAIRS = 8
 class ComputeClock:
     def __init__(self, model: torch.nn.Module, device: torch.device, every: int = 4) -> None:
         first = next((p for p in model.parameters() if p.requires_grad), None)
-        self.seconds = math.nan
-        """Compute seconds of the steps whose times have been read (a total, like the step counter); NaN (not
-        exported) until a step's end was seen: a model whose first parameter's gradient is not accumulated by
-        autograd (FSDP2 sets its sharded gradients itself) measures none, and the Straggler rule reads its step
-        time instead."""
+        self.seconds = math.nan if first is None else 0.0
+        """Compute seconds of the steps whose times have been read (a total, like the step counter). It starts at 0
+        with the step counter: a rate ratio of two counters whose first samples differ by a scrape skews a young
+        run's per-step mean by that scrape's share of the window, enough to name a healthy rank a straggler. NaN
+        (not exported) once the first step closed without its end: a model whose first parameter's gradient is not
+        accumulated by autograd (FSDP2 sets its sharded gradients itself) measures none, and the Straggler rule
+        reads its step time instead."""
+        self._measured = False
         self._on_gpu = device.type == "cuda"
         self._every = every if self._on_gpu else 1
         self._began = self._ended = 0.0
@@ -78,12 +81,16 @@ class ComputeClock:
         """An optimizer step closed: the step's compute ends at its last backward. Returns its hooks' own time
         since the last step, Patrol's overhead."""
         self._steps_since += 1
+        if self._began and not self._ended and not self._measured:
+            self.seconds = math.nan
+            self.remove()
         if self._began and self._ended >= self._began:
+            self._measured = True
             if self._on_gpu:
                 start, end = self._free.pop()
                 self._pending.append((start, end, self._steps_since))
             else:
-                self.seconds = (0.0 if math.isnan(self.seconds) else self.seconds) + self._ended - self._began
+                self.seconds += self._ended - self._began
             self._steps_since = 0
         self._began = self._ended = 0.0
         self._timing = bool(self._free) and self._steps_since + 1 >= self._every if self._on_gpu else True
@@ -96,7 +103,7 @@ class ComputeClock:
         while pending and pending[0][1].query():
             start, end, steps = pending.popleft()
             spent = start.elapsed_time(end) / 1e3 * steps
-            self.seconds = spent if math.isnan(self.seconds) else self.seconds + spent
+            self.seconds += spent
             self._free.append((start, end))
         if not self._timing and self._free and self._steps_since + 1 >= self._every:
             self._timing = True

@@ -199,6 +199,7 @@ class Patrol:
         clock = ComputeClock(model, self._device)
         if clock.active:
             self._recorder.compute_clock = clock
+            self._recorder.totals.compute = clock.seconds  # 0, pushed from the first snapshot with the step counter
 
     # --- what users read ------------------------------------------------------------------------
     @property
