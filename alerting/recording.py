@@ -53,8 +53,8 @@ VAL_LOSS_RUN = "run:trainpatrol_validation_loss:avg"
 
 
 def group(cfg: Config) -> Group:
-    """Per-rank states and means that the liveness, throughput and rollup rules read, the run's step and compute
-    medians, and the join table from GPUs to ranks."""
+    """Per-rank states and means that the liveness, throughput and rollup rules read, the run's step median, and
+    the join table from GPUs to ranks."""
     rank_on = rank_labels(cfg)
     run_on = run_labels(cfg)
     gpu_on = gpu_labels(cfg)
@@ -81,9 +81,6 @@ def group(cfg: Config) -> Group:
             rate_ratio(cfg, "trainpatrol_step_duration_seconds_sum", "trainpatrol_step_duration_seconds_count", "5m"),
         ),
         Recording(STEP_MEDIAN_RUN, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})"),
-        # Compute time apart from the waits: under DDP every rank waits for the slowest at the all-reduce, so
-        # step times even out; a slow rank's compute time still stands out from the run's median.
-        Recording(COMPUTE_MEDIAN_RUN, f"quantile by ({run_on}) (\n  0.5,\n{indent(compute_mean(cfg))}\n)"),
         # The join table from GPUs to ranks: every rank on each GPU (alerting/promql.py, RANK_INFO).
         *((_dcgm_join(cfg, with_gpu, rank_on), _dcgm_newest(cfg, with_gpu, rank_on)) if cfg.gpu_source == "dcgm"
           else (_join(cfg, rank_info, gpu_on, rank_on),)),
@@ -120,13 +117,15 @@ def run_group(cfg: Config) -> Group:
     rules = (
         # Time waiting for data over step time, of the whole run: above about 0.3 the GPUs starve (a rank's own is
         # its trainpatrol_loader_wait_ratio; TrainPatrolDataLoaderBound reads a 2 m ratio of its own).
+        # The run's sums read the counters each agent serves once per run, its ranks' summed: a few series instead
+        # of a rate of every rank's.
         Recording(
             LOADER_WAIT_RUN,
-            ratio_by_run("trainpatrol_loader_wait_seconds_total", "trainpatrol_step_duration_seconds_sum"),
+            ratio_by_run("trainpatrol_run_loader_wait_seconds_total", "trainpatrol_run_step_duration_seconds_sum"),
         ),
         # Throughput of the whole run: every rank counts the samples and tokens it consumed.
-        Recording("run:trainpatrol_samples:rate5m", run_rate("trainpatrol_samples_total")),
-        Recording("run:trainpatrol_tokens:rate5m", run_rate("trainpatrol_tokens_total")),
+        Recording("run:trainpatrol_samples:rate5m", run_rate("trainpatrol_run_samples_total")),
+        Recording("run:trainpatrol_tokens:rate5m", run_rate("trainpatrol_run_tokens_total")),
         # Optimizer steps per second of the run: ranks step together, so the fastest one counts.
         Recording(STEP_RATE_RUN, run_rate("trainpatrol_step_total", "max")),
         Recording("run:trainpatrol_step_duration_seconds:p50_rate5m", run_quantile(0.5)),
@@ -135,9 +134,9 @@ def run_group(cfg: Config) -> Group:
             "run:trainpatrol_gpu_utilization_ratio:avg",
             f"avg by ({run_on}) (\n{indent(on_rank(cfg, gpu_utilization(cfg)))}\n)",
         ),
-        # What the run's GPUs achieve: model FLOP/s, and MFU (over the device's dense peak), per rank worked out
-        # here and not recorded; the run's sum, median and lowest rank are.
-        Recording(FLOPS_RUN, f"sum by ({run_on}) (\n{indent(achieved_flops(cfg))}\n)"),
+        # What the run's GPUs achieve: model FLOP/s (from each agent's sums), and MFU (over the device's dense peak),
+        # per rank worked out here and not recorded; the run's median and lowest rank are.
+        Recording(FLOPS_RUN, f"sum by ({run_on}) (\n{indent(achieved_flops(cfg, per_agent=True))}\n)"),
         Recording(MFU_MEDIAN_RUN, f"quantile by ({run_on}) (\n  0.5,\n{indent(mfu(cfg))}\n)"),
         Recording(MFU_MIN_RUN, f"min by ({run_on}) (\n{indent(mfu(cfg))}\n)"),
         Recording("run:trainpatrol_tokens_per_rank:median_rate5m",
@@ -150,14 +149,17 @@ def run_group(cfg: Config) -> Group:
     return Group("trainpatrol-run", rules)
 
 
-def achieved_flops(cfg: Config, window: str = "5m") -> str:
+def achieved_flops(cfg: Config, window: str = "5m", per_agent: bool = False) -> str:
     """Each rank's model FLOP/s over ``window``: its tokens (or steps) per second times the run's FLOPs per token
-    (or step), which its agent serves once per run."""
+    (or step), which its agent serves once per run; ``per_agent``: the sum over each agent's ranks of the run, from
+    the counters it sums (its run histogram's count is their steps)."""
     agent_run = f"{cfg.cluster_label}, namespace, job, instance, run"
+    tokens, steps = (("trainpatrol_run_tokens_total", "trainpatrol_run_step_duration_seconds_count") if per_agent
+                     else ("trainpatrol_tokens_total", "trainpatrol_step_total"))
     def times(counter: str, per: str) -> str:
         return f"rate({sel(cfg, counter)}[{window}])\n* on ({agent_run}) group_left ()\n{sel(cfg, per)}"
-    return (f"{times('trainpatrol_tokens_total', 'trainpatrol_run_model_flops_per_token')}\nor\n"
-            f"{times('trainpatrol_step_total', 'trainpatrol_run_model_flops_per_step')}")
+    return (f"{times(tokens, 'trainpatrol_run_model_flops_per_token')}\nor\n"
+            f"{times(steps, 'trainpatrol_run_model_flops_per_step')}")
 
 
 def mfu(cfg: Config, window: str = "5m") -> str:
@@ -166,6 +168,13 @@ def mfu(cfg: Config, window: str = "5m") -> str:
     agent_run = f"{cfg.cluster_label}, namespace, job, instance, run"
     return (f"(\n{indent(achieved_flops(cfg, window))}\n)\n/ on ({agent_run}) group_left ()\n"
             f"max without (dtype) ({sel(cfg, 'trainpatrol_run_peak_flops')} > 0)")
+
+
+def compute_median(cfg: Config) -> str:
+    """The run's median of its ranks' mean compute time a step (COMPUTE_MEDIAN_RUN): under DDP every rank waits for
+    the slowest at the all-reduce, so step times even out; a slow rank's compute time still stands out from it.
+    Recorded in the throughput group, just before TrainPatrolStraggler reads it at the same instant."""
+    return f"quantile by ({run_labels(cfg)}) (\n  0.5,\n{indent(compute_mean(cfg))}\n)"
 
 
 def compute_mean(cfg: Config) -> str:

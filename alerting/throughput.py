@@ -11,6 +11,7 @@ from .promql import (
     VALUE,
     Alert,
     Group,
+    Recording,
     dcgm_gpu_labels,
     dsel,
     gpu_utilization,
@@ -23,7 +24,7 @@ from .promql import (
     sel,
     unless_halted,
 )
-from .recording import STEP_MEAN_RANK, compute_mean, mfu
+from .recording import COMPUTE_MEDIAN_RUN, STEP_MEAN_RANK, compute_mean, compute_median, mfu
 
 MEASURE = "{{ $labels.measure }}"
 """What GPUUnderutilized judged the rank by: ``model FLOPs utilisation``, ``SM activity`` or ``kernel time``."""
@@ -74,21 +75,23 @@ def group(cfg: Config) -> Group:
                               "2m")
     loader = f"(\n{indent(loader_ratio)}\n)\n> {num(cfg.loader_wait_ratio)}\n" + unless_halted(run_on, "2m")
     # A rank's mean over its run's median rank (1.5: half as slow again): its compute time where it measures
-    # one (CPU ranks), its step time otherwise, which lock-step parallelism evens out. The median is taken here,
-    # of the same instant's means: one recorded by another group can be an interval old, and when every rank's
-    # mean jumps at once that puts every rank past the threshold.
-    def over_median(per_rank: str) -> str:
-        return (f"{per_rank}\n/ on ({run_on}) group_left ()\n"
-                f"(quantile by ({run_on}) (0.5, {per_rank}) > 0)")
-    compute = over_median(f"(\n{indent(compute_mean(cfg))}\n)")
+    # one, its step time otherwise, which lock-step parallelism evens out. Each median is of the same instant's
+    # means: the step median taken here, the compute median recorded by this group just before (one recorded by
+    # another group can be an interval old, and when every rank's mean jumps at once that puts every rank past
+    # the threshold).
+    def over_median(per_rank: str, median: str) -> str:
+        return f"{per_rank}\n/ on ({run_on}) group_left ()\n({median} > 0)"
+    compute = over_median(f"(\n{indent(compute_mean(cfg))}\n)", COMPUTE_MEDIAN_RUN)
+    step = over_median(STEP_MEAN_RANK, f"quantile by ({run_on}) (0.5, {STEP_MEAN_RANK})")
     ratio = num(cfg.straggler_ratio)
     straggler = (f"(\n  (\n{indent(compute, '    ')}\n  ) > {ratio}\n  or\n  (\n"
-                 f"{indent(over_median(STEP_MEAN_RANK), '    ')}\n  ) > {ratio}\n"
+                 f"{indent(step, '    ')}\n  ) > {ratio}\n"
                  f"  unless on ({rank_on}) {sel(cfg, 'trainpatrol_compute_seconds_total')}\n)\n"
                  + unless_halted(run_on, "5m"))
     who = f"Rank {RANK} of run {RUN} on {INSTANCE}"
     cb = cfg.checkpoint_blocked_window
     rules = (
+        Recording(COMPUTE_MEDIAN_RUN, compute_median(cfg)),
         Alert(
             "DataLoaderBound", loader, "warning",
             "Training waits for the data loader.",

@@ -190,3 +190,18 @@ def test_a_runs_learning_rates_are_served_once_per_run_as_its_lowest_rank_report
              and not ln.startswith("#")]
     assert lines == ['trainpatrol_run_learning_rate{param_group="0",run="r1"} 0.25',
                      'trainpatrol_run_learning_rate{param_group="1",run="r1"} 0.125']
+
+
+def test_a_runs_throughput_counters_are_served_once_per_run_as_its_ranks_summed() -> None:
+    store = RankStore(clock=Clock())
+    for rank, (samples, tokens, wait) in enumerate([(64.0, 8192.0, 1.5), (32.0, 4096.0, 0.25)]):
+        store.push(snap(rank, samples=[{"name": "trainpatrol_samples_total", "value": samples},
+                                       {"name": "trainpatrol_tokens_total", "value": tokens},
+                                       {"name": "trainpatrol_loader_wait_seconds_total", "value": wait}]))
+    store.push(snap(0, run="no-tokens", samples=[{"name": "trainpatrol_samples_total", "value": 8.0}]))
+    summed = ("trainpatrol_run_samples_total", "trainpatrol_run_tokens_total", "trainpatrol_run_loader_wait_seconds")
+    lines = [ln for ln in text(RankCollector(store)).decode().splitlines() if ln.startswith(summed)]
+    assert lines == ['trainpatrol_run_samples_total{run="no-tokens"} 8.0',
+                     'trainpatrol_run_samples_total{run="r1"} 96.0',
+                     'trainpatrol_run_tokens_total{run="r1"} 12288.0',
+                     'trainpatrol_run_loader_wait_seconds_total{run="r1"} 1.75']

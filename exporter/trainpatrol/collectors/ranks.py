@@ -27,6 +27,10 @@ _RUN_ACTIONS, _RUN_HISTOGRAM = BY_NAME[P + "run_actions_total"], BY_NAME[P + "ru
 _RUN_RESTARTS, _RUN_LR = BY_NAME[P + "run_restarts"], BY_NAME[P + "run_learning_rate"]
 _RUN_FLOPS = tuple(BY_NAME[P + name] for name in ("run_model_flops_per_token", "run_model_flops_per_step",
                                                   "run_peak_flops"))
+_RUN_SUMS = tuple(BY_NAME[P + "run_" + name] for name in ("samples_total", "tokens_total", "loader_wait_seconds_total"))
+_SUMMED = {P + spec.name.removeprefix(P + "run_"): i for i, spec in enumerate(_RUN_SUMS)}
+"""The rank counters that the agent also serves once per run, summed over its ranks: the run's rules read these few
+series instead of a rate of every rank's."""
 _ACTIONS, _LR = P + "actions_total", P + "learning_rate"
 SERIES_LEVELS = ("standard", "full")
 
@@ -86,6 +90,7 @@ class RankCollector:
         restarts: dict[tuple[str, str], float] = {}
         flops: dict[tuple[str, str], tuple[float, float, float, str]] = {}
         run_steps: dict[tuple[str, str], tuple[list[float], float]] = {}
+        run_sums: dict[tuple[int, str, str], float] = {}
         if len(self._labels) > self._max_series:
             self._labels.clear()
         labels_of = self._labels
@@ -93,8 +98,12 @@ class RankCollector:
             snap = row.snapshot
             rank = (snap.run, snap.rank, *(getattr(snap, k) for k in WORKLOAD_LABELS))
             base: dict[str, str] | None = None
+            of_run = (snap.namespace, snap.run)
             for s in snap.samples:
-                if s.name == _ACTIONS:
+                at = _SUMMED.get(s.name)
+                if at is not None:
+                    run_sums[at, *of_run] = run_sums.get((at, *of_run), 0.0) + s.value
+                elif s.name == _ACTIONS:
                     act = (snap.namespace, snap.run, s.labels.get("action", ""), s.labels.get("outcome", ""))
                     run_actions[act] = max(run_actions.get(act, 0.0), s.value)
                 elif s.name == _LR:
@@ -111,7 +120,6 @@ class RankCollector:
                     base = base or rank_labels(snap)
                     labels = labels_of[series] = _sorted(base | s.labels)
                 fam.add_sample(s.name, labels, 1.0 if fam.type == "info" else s.value)
-            of_run = (snap.namespace, snap.run)
             restarts[of_run] = max(restarts.get(of_run, 0.0), float(snap.restart_count))
             if snap.model_flops_per_token or snap.model_flops_per_step:
                 flops[of_run] = _most(flops.get(of_run), snap)
@@ -135,7 +143,7 @@ class RankCollector:
                                   strict=True):
                 fam.add_sample(fam.name, plain, value)
         yield from (f for f in (*families.values(), *liveness) if f.samples)
-        yield from _run_families(run_actions, run_steps, restarts, learning_rates, flops)
+        yield from _run_families(run_actions, run_steps, run_sums, restarts, learning_rates, flops)
 
 
 def _run_labels(namespace: str, run: str, **more: str) -> dict[str, str]:
@@ -152,12 +160,17 @@ def _filled(spec: CatalogueMetric, rows: Iterable[tuple[dict[str, str], float]])
 
 
 def _run_families(actions: dict[tuple[str, ...], float], steps: dict[tuple[str, str], tuple[list[float], float]],
-                  restarts: dict[tuple[str, str], float], learning_rates: dict[tuple[str, str, str], tuple[int, float]],
+                  sums: dict[tuple[int, str, str], float], restarts: dict[tuple[str, str], float],
+                  learning_rates: dict[tuple[str, str, str], tuple[int, float]],
                   flops: dict[tuple[str, str], tuple[float, float, float, str]]) -> Iterator[Metric]:
-    """Once per run: its actions and restarts (the most any rank reports), its ranks' step histograms summed, its
-    learning rates (the lowest rank's), and what its FLOP/s and MFU are worked out from (alerting/recording.py)."""
+    """Once per run: its actions and restarts (the most any rank reports), its ranks' step histograms and
+    throughput counters summed, its learning rates (the lowest rank's), and what its FLOP/s and MFU are worked out
+    from (alerting/recording.py)."""
     yield from _filled(_RUN_ACTIONS, ((_run_labels(ns, run, action=action, outcome=outcome), value)
                                       for (ns, run, action, outcome), value in sorted(actions.items())))
+    for i, spec in enumerate(_RUN_SUMS):
+        yield from _filled(spec, ((_run_labels(ns, run), total) for (at, ns, run), total in sorted(sums.items())
+                                  if at == i))
     yield from _filled(_RUN_RESTARTS, ((_run_labels(*run), count) for run, count in sorted(restarts.items())))
     if steps:
         fam = _RUN_HISTOGRAM.family()
