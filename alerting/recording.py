@@ -115,10 +115,10 @@ def run_group(cfg: Config) -> Group:
         )
 
     rules = (
-        # Time waiting for data over step time, of the whole run: above about 0.3 the GPUs starve (a rank's own is
-        # its trainpatrol_loader_wait_ratio; TrainPatrolDataLoaderBound reads a 2 m ratio of its own).
         # The run's sums read the counters each agent serves once per run, its ranks' summed: a few series instead
         # of a rate of every rank's.
+        # Time waiting for data over step time, of the whole run: above about 0.3 the GPUs starve (a rank's own is
+        # its trainpatrol_loader_wait_ratio; TrainPatrolDataLoaderBound reads a 2 m ratio of its own).
         Recording(
             LOADER_WAIT_RUN,
             ratio_by_run("trainpatrol_run_loader_wait_seconds_total", "trainpatrol_run_step_duration_seconds_sum"),
@@ -178,8 +178,8 @@ def compute_median(cfg: Config) -> str:
 
 
 def compute_mean(cfg: Config) -> str:
-    """Each rank's mean compute time a step over 5 m (CPU ranks measure it): read by the run's median and by
-    TrainPatrolStraggler, not recorded per rank."""
+    """Each rank's mean compute time a step over 5 m (where its compute clock measures one): read by the run's
+    median and by TrainPatrolStraggler, not recorded per rank."""
     return rate_ratio(cfg, "trainpatrol_compute_seconds_total", "trainpatrol_step_total", "5m")
 
 
