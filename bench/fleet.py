@@ -353,8 +353,10 @@ def push_agent(port: int, ranks: list[int], replay: Replay, world: int, interval
 
 
 def pusher(assignments: list[tuple[int, list[int]]], replay: Replay, world: int, interval: float, fault_rank: int,
-           fault_at: Any, stop: Any, results: Any, epoch: float, seed: int) -> None:
+           fault_at: Any, stop: Any, results: Any, epoch: float, seed: int, cpus: frozenset[int]) -> None:
     """A pusher process: a thread per agent (``push_agent``); puts what they counted on ``results``."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before its threads start: they inherit it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it; Ctrl-C reaches the whole group
     logging.getLogger("trainpatrol").setLevel(logging.ERROR)  # failures are counted, not logged 10,000 times
     outs: list[dict[str, Any]] = [{} for _ in assignments]
@@ -517,6 +519,15 @@ def agent_overrides(ranks_per_agent: int, samples: int) -> dict[str, str]:
 
 # --- one size ---------------------------------------------------------------------------------------------
 
+def cpu_list(text: str) -> frozenset[int]:
+    """``0-3,8`` as taskset reads it."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
+
+
 @dataclass
 class Settings:
     agents: int
@@ -529,6 +540,16 @@ class Settings:
     outlier_query: str
     pushers: int
     alertmanager: str
+    prometheus_cpus: frozenset[int] = frozenset()
+    """Prometheus alone on these CPUs, the agents and pushers on the others (empty: no pinning): at 4,096 ranks they
+    share a host's caches and memory bandwidth, which Prometheus' own times then include."""
+
+    def pinned(self, cmd: list[str], prometheus: bool = False) -> list[str]:
+        cpus = self.prometheus_cpus if prometheus else self.other_cpus()
+        return ["taskset", "-c", ",".join(map(str, sorted(cpus))), *cmd] if cpus else cmd
+
+    def other_cpus(self) -> frozenset[int]:
+        return frozenset(os.sched_getaffinity(0)) - self.prometheus_cpus if self.prometheus_cpus else frozenset()
 
 
 @dataclass
@@ -598,8 +619,9 @@ def measure(ranks: int, s: Settings, replay: Replay, workdir: Path) -> dict[str,
         ports = [free_port() for _ in range(s.agents)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **overrides)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO / "exporter"), env.get("PYTHONPATH", "")])
-        agents = [fleet.spawn(f"agent-{i}", [sys.executable, "-m", "trainpatrol", "agent", "--host", "127.0.0.1",
-                                             "--port", str(port), "--no-nvml", "--log-level", "warning"], env)
+        agents = [fleet.spawn(f"agent-{i}", s.pinned([sys.executable, "-m", "trainpatrol", "agent", "--host",
+                                                      "127.0.0.1", "--port", str(port), "--no-nvml", "--log-level",
+                                                      "warning"]), env)
                   for i, port in enumerate(ports)]
         for port in ports:
             wait_until(f"agent {port} /healthz", lambda p=port: fleet.answers(f"http://127.0.0.1:{p}/healthz"),
@@ -608,10 +630,10 @@ def measure(ranks: int, s: Settings, replay: Replay, workdir: Path) -> dict[str,
         prom_port = free_port()
         (workdir / "prometheus.yml").write_text(prometheus_config(
             [f"127.0.0.1:{p}" for p in ports], [s.rules.resolve()], am_target, duration(s.scrape_interval)))
-        prom_proc = fleet.spawn("prometheus", [
+        prom_proc = fleet.spawn("prometheus", s.pinned([
             shutil.which("prometheus") or "prometheus", f"--config.file={workdir / 'prometheus.yml'}",
             f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-            "--log.level=warn"])
+            "--log.level=warn"], prometheus=True))
         prom = f"http://127.0.0.1:{prom_port}"
         wait_until("prometheus ready", lambda: fleet.answers(prom + "/-/ready"), 60)
 
@@ -622,7 +644,7 @@ def measure(ranks: int, s: Settings, replay: Replay, workdir: Path) -> dict[str,
         for n, share in enumerate(shares):
             proc = ctx.Process(target=pusher, name=f"pusher-{n}", daemon=True,
                                args=(share, replay, ranks, s.push_interval, s.fault_rank, fault_at, stop, results,
-                                     started, n))
+                                     started, n, s.other_cpus()))
             proc.start()
             procs.append(proc)
 
@@ -941,6 +963,8 @@ def main() -> int:
                              "its rank label comes back (default: recording rules named *outlier*, at the rank)")
     parser.add_argument("--pushers", type=int, default=2, help="pusher processes (each a thread per agent)")
     parser.add_argument("--alertmanager", choices=["auto", "real", "emulated"], default="auto")
+    parser.add_argument("--prometheus-cpus", type=cpu_list, default=frozenset(),
+                        help="pin Prometheus to these CPUs (0-3 or 0,2) and the agents and pushers to the others")
     parser.add_argument("--recording", type=Path, help="replay this recording (json or json.gz) instead of recording")
     parser.add_argument("--save-recording", type=Path, help="keep the recording here (json or json.gz)")
     parser.add_argument("--workdir", type=Path, help="configs and logs, kept (default: a temporary directory)")
@@ -962,7 +986,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, interrupted)  # ends the way Ctrl-C does: every process stopped
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored (nohup, &)
     settings = Settings(args.agents, args.seconds, args.scrape_interval, args.push_interval, args.rules,
-                        args.fault_rank, args.fault_after, args.outlier_query, max(1, args.pushers), args.alertmanager)
+                        args.fault_rank, args.fault_after, args.outlier_query, max(1, args.pushers), args.alertmanager,
+                        args.prometheus_cpus)
     took = time.monotonic()
     recording = load_recording(args.recording) if args.recording else record()
     if args.save_recording:
@@ -979,7 +1004,8 @@ def main() -> int:
                   "push_bytes": len(json.dumps(RankSim(replay, [replay.track(1.0)], 0, 1, time.time() - 60,
                                                        random.Random(0)).snapshot())),
                   "prometheus_gogc": os.environ.get("GOGC") or "unset: Go's default, 100 (75 from Prometheus 2.53)",
-                  "pushers": settings.pushers, "straggler_step_time_factor": STRAGGLER_FACTOR,
+                  "pushers": settings.pushers, "prometheus_cpus": sorted(settings.prometheus_cpus),
+                  "others_cpus": sorted(settings.other_cpus()), "straggler_step_time_factor": STRAGGLER_FACTOR,
                   "rank_step_time_jitter": RANK_JITTER},
         "results": results,
     }
