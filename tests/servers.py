@@ -70,6 +70,24 @@ def answer_json(handler: http.server.BaseHTTPRequestHandler, status: int, body: 
     handler.wfile.write(data)
 
 
+def raw_answer(s: socket.socket) -> tuple[bytes, bytes]:
+    """One whole HTTP answer read off ``s``: its head (status line and headers) and its Content-Length of body. A
+    server may write the head and the body apart, so one ``recv`` can hold the head alone."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(4096)
+        assert chunk, f"closed before the end of the head: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length")), b"0"))
+    while len(body) < length:
+        chunk = s.recv(4096)
+        assert chunk, f"closed before the end of the body: {head!r} {body!r}"
+        body += chunk
+    return head, body
+
+
 def http_get(url: str, timeout: float = 2.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return bytes(r.read())

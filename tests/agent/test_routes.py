@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from servers import agent_in_thread
+from servers import agent_in_thread, raw_answer
 from trainpatrol.agent.app import Agent
 from trainpatrol.agent.config import AgentConfig
 
@@ -71,9 +71,9 @@ def test_a_wrong_token_is_answered_before_the_body_is_sent() -> None:
     with agent_in_thread(agent.app) as port, socket.create_connection(("127.0.0.1", port), timeout=5.0) as s:
         s.sendall(b"POST /v1/push HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n"
                   b"Content-Type: application/json\r\nContent-Length: 200000\r\n\r\n")
-        head, _, rest = s.recv(65536).partition(b"\r\n\r\n")
+        head, body = raw_answer(s)
         assert head.startswith(b"HTTP/1.1 401 "), head
-        assert json.loads(rest) == PUSH_REFUSED
+        assert json.loads(body) == PUSH_REFUSED
 
 
 def test_a_422_names_the_first_error_lists_all_under_body_and_shortens_what_it_echoes() -> None:

@@ -16,7 +16,7 @@ from _edge import raw
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 from trickle import Trickle
 
-from servers import free_port, http_get, process, python_env, serving, wait_for
+from servers import free_port, http_get, process, python_env, raw_answer, serving, wait_for
 
 HOSTILE_PER_KIND = 75
 """Four kinds: 300 hostile connections against an agent allowed 256 descriptors."""
@@ -94,19 +94,6 @@ def test_a_wrong_token_with_a_large_body_is_401_before_the_body_arrives(tmp_path
                 assert time.monotonic() - started < 1.5
 
 
-def _answer(s: socket.socket) -> bytes:
-    """One whole HTTP answer (status line, headers and its Content-Length of body) from ``s``."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += s.recv(4096)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += s.recv(4096)
-    return head
-
-
 def _closed_by_peer(s: socket.socket, within: float) -> bool:
     """Did the agent close ``s`` (the agent sends nothing before it does) within ``within`` seconds?"""
     s.settimeout(within)
@@ -143,7 +130,7 @@ def test_silent_slow_header_and_slow_body_connections_are_closed_after_their_tim
             s.sendall(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Pad: {'a' * 20_000}\r\n".encode())
             assert not _closed_by_peer(s, 0.3)
             s.sendall(b"\r\n")
-            assert _answer(s).startswith(b"HTTP/1.1 200 ")
+            assert raw_answer(s)[0].startswith(b"HTTP/1.1 200 ")
         # headers without end, sent at once: past max_header_bytes uvicorn's h11 answers 400 and closes,
         # not at the timeout
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
@@ -161,10 +148,10 @@ def test_silent_slow_header_and_slow_body_connections_are_closed_after_their_tim
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
             s.sendall(f"POST /v1/push HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
                       "Content-Length: 900000\r\n\r\n".encode())
-            assert _answer(s).startswith(b"HTTP/1.1 413 ")
+            assert raw_answer(s)[0].startswith(b"HTTP/1.1 413 ")
             s.sendall(b" " * 900_000)
             s.sendall(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
-            assert _answer(s).startswith(b"HTTP/1.1 200 ")
+            assert raw_answer(s)[0].startswith(b"HTTP/1.1 200 ")
         metrics = raw(port, "GET", "/metrics", f"127.0.0.1:{port}")[1]["text"]
         assert 'trainpatrol_refused_requests_total{reason="malformed"} 1.0' in metrics
 
