@@ -27,8 +27,8 @@ _RUN_ACTIONS, _RUN_HISTOGRAM = BY_NAME[P + "run_actions_total"], BY_NAME[P + "ru
 _RUN_RESTARTS, _RUN_LR = BY_NAME[P + "run_restarts"], BY_NAME[P + "run_learning_rate"]
 _RUN_FLOPS = tuple(BY_NAME[P + name] for name in ("run_model_flops_per_token", "run_model_flops_per_step",
                                                   "run_peak_flops"))
-_RUN_SUMS = tuple(BY_NAME[P + "run_" + name] for name in ("samples_total", "tokens_total", "loader_wait_seconds_total"))
-_SUMMED = {P + spec.name.removeprefix(P + "run_"): i for i, spec in enumerate(_RUN_SUMS)}
+_RUN_SUMS = {P + name: BY_NAME[P + "run_" + name] for name in ("samples_total", "tokens_total",
+                                                              "loader_wait_seconds_total")}
 """The rank counters that the agent also serves once per run, summed over its ranks: the run's rules read these few
 series instead of a rate of every rank's."""
 _ACTIONS, _LR = P + "actions_total", P + "learning_rate"
@@ -90,7 +90,7 @@ class RankCollector:
         restarts: dict[tuple[str, str], float] = {}
         flops: dict[tuple[str, str], tuple[float, float, float, str]] = {}
         run_steps: dict[tuple[str, str], tuple[list[float], float]] = {}
-        run_sums: dict[tuple[int, str, str], float] = {}
+        run_sums: dict[str, dict[tuple[str, str], float]] = {name: {} for name in _RUN_SUMS}
         if len(self._labels) > self._max_series:
             self._labels.clear()
         labels_of = self._labels
@@ -100,9 +100,9 @@ class RankCollector:
             base: dict[str, str] | None = None
             of_run = (snap.namespace, snap.run)
             for s in snap.samples:
-                at = _SUMMED.get(s.name)
-                if at is not None:
-                    run_sums[at, *of_run] = run_sums.get((at, *of_run), 0.0) + s.value
+                by_run = run_sums.get(s.name)
+                if by_run is not None:
+                    by_run[of_run] = by_run.get(of_run, 0.0) + s.value
                 elif s.name == _ACTIONS:
                     act = (snap.namespace, snap.run, s.labels.get("action", ""), s.labels.get("outcome", ""))
                     run_actions[act] = max(run_actions.get(act, 0.0), s.value)
@@ -160,7 +160,7 @@ def _filled(spec: CatalogueMetric, rows: Iterable[tuple[dict[str, str], float]])
 
 
 def _run_families(actions: dict[tuple[str, ...], float], steps: dict[tuple[str, str], tuple[list[float], float]],
-                  sums: dict[tuple[int, str, str], float], restarts: dict[tuple[str, str], float],
+                  sums: dict[str, dict[tuple[str, str], float]], restarts: dict[tuple[str, str], float],
                   learning_rates: dict[tuple[str, str, str], tuple[int, float]],
                   flops: dict[tuple[str, str], tuple[float, float, float, str]]) -> Iterator[Metric]:
     """Once per run: its actions and restarts (the most any rank reports), its ranks' step histograms and
@@ -168,9 +168,8 @@ def _run_families(actions: dict[tuple[str, ...], float], steps: dict[tuple[str, 
     from (alerting/recording.py)."""
     yield from _filled(_RUN_ACTIONS, ((_run_labels(ns, run, action=action, outcome=outcome), value)
                                       for (ns, run, action, outcome), value in sorted(actions.items())))
-    for i, spec in enumerate(_RUN_SUMS):
-        yield from _filled(spec, ((_run_labels(ns, run), total) for (at, ns, run), total in sorted(sums.items())
-                                  if at == i))
+    for name, spec in _RUN_SUMS.items():
+        yield from _filled(spec, ((_run_labels(*run), total) for run, total in sorted(sums[name].items())))
     yield from _filled(_RUN_RESTARTS, ((_run_labels(*run), count) for run, count in sorted(restarts.items())))
     if steps:
         fam = _RUN_HISTOGRAM.family()
