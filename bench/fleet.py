@@ -36,7 +36,10 @@ while their CPU nears one core each means the bench, not the agents, was the bot
 seconds from the fault to (a) the first alert naming the fault rank at the receiver, (b) the first
 firing ``ALERTS`` series naming it in Prometheus and (c) the first time ``--outlier-query`` names it
 (by default every recording rule whose name holds "outlier", selected at ``rank=<fault rank>``; null
-when the rules have none). Each also says whether it named the rank before the fault.
+when the rules have none). Each also says whether it named the rank before the fault. At the end, every loaded
+rule once more through the query API with Prometheus' query statistics (``rule_work_one_round``): the samples
+each group loads, which depend on the ranks and not on the host, and its rules' evaluation times one query at a
+time.
 
 ``--ranks 1024,4096`` runs each size in turn, each with fresh agents, Prometheus and Alertmanager.
 Prometheus inherits the environment: ``GOGC=75`` runs it as Prometheus 2.53 and later run by default.
@@ -489,6 +492,26 @@ def scalar(prom: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+def rule_work(prom: str, repeats: int = 3) -> dict[str, Any]:
+    """Every loaded rule's expression run once more through the query API at one instant, with Prometheus'
+    query statistics: the samples it loads (``totalQueryableSamples``, the same on any host, so its growth with
+    the ranks is the rules' own and not the host's) and the median of ``repeats`` inner evaluation times."""
+    at = time.time() - 1.0
+    groups: dict[str, dict[str, float]] = {}
+    for group in json.loads(http_get(f"{prom}/api/v1/rules"))["data"]["groups"]:
+        samples, seconds = 0.0, 0.0
+        for rule in group["rules"]:
+            stats = []
+            for _ in range(repeats):
+                query = urllib.parse.urlencode({"query": rule["query"], "time": f"{at:.3f}", "stats": "all"})
+                stats.append(json.loads(http_get(f"{prom}/api/v1/query?{query}", 60))["data"]["stats"])
+            samples += stats[0]["samples"]["totalQueryableSamples"]
+            seconds += statistics.median(st["timings"]["innerEvalTime"] for st in stats)
+        groups[group["name"]] = {"samples": samples, "inner_eval_seconds": round(seconds, 4)}
+    return {"groups": groups, "samples": sum(g["samples"] for g in groups.values()),
+            "inner_eval_seconds": round(sum(g["inner_eval_seconds"] for g in groups.values()), 4)}
+
+
 def exposition(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """A /metrics page as {sample name: [(labels, value)]}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -675,6 +698,7 @@ def measure(ranks: int, s: Settings, replay: Replay, workdir: Path) -> dict[str,
             "series_recorded": 'count({__name__=~".+:.+"})',
         }.items()}
         counted = agents_counted(ports)
+        work = rule_work(prom)
     finally:
         with uninterrupted():
             stop.set()
@@ -693,6 +717,7 @@ def measure(ranks: int, s: Settings, replay: Replay, workdir: Path) -> dict[str,
         "alertmanager": am_kind,
         "agent_overrides": overrides,
         "prometheus": prometheus_report(watch, cpu["prometheus"], final),
+        "rule_work_one_round": work,
         "series_per_rank": final["series_per_rank"],
         "series_per_rank_with_recorded": final["series_per_rank_all"],
         "agents_cpu_core_share": round(cpu["agents"], 3),
