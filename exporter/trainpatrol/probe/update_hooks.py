@@ -45,6 +45,27 @@ def skip_mode(optimizer: torch.optim.Optimizer) -> str:
     return "off"
 
 
+def flag_cost(params: list[torch.Tensor], repeats: int = 5) -> float:
+    """Host seconds a fused torch optimizer spends on a ``found_inf`` flag each step: it subtracts the flag from
+    every step count, one ``_foreach_sub_`` per device and dtype. The job pays that for Patrol's skip, outside
+    Patrol's code, so it is timed once on stand-ins of the same count (no sync) and counted every step."""
+    counts: dict[tuple[torch.device, torch.dtype], int] = {}
+    for p in params:
+        if p.grad is not None:  # torch steps only the parameters that have a gradient
+            counts[p.device, p.dtype] = counts.get((p.device, p.dtype), 0) + 1
+    total = 0.0
+    for (device, _), n in counts.items():
+        steps, flag = list(torch.zeros(n, device=device).unbind()), torch.zeros((), device=device)
+        torch._foreach_sub_(steps, [flag] * n)
+        took = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch._foreach_sub_(steps, [flag] * n)
+            took.append(time.perf_counter() - start)
+        total += sorted(took)[repeats // 2]
+    return total
+
+
 class UpdateHooks:
     """Step pre- and post-hooks on ``optimizer``; ``judge`` hands over the closing step's verdict."""
 
@@ -68,6 +89,8 @@ class UpdateHooks:
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.skipped = 0
         """Updates skipped by ``hide_grads`` (``found_inf`` skips are counted from read-back values)."""
+        self._torch_seconds: float | None = None
+        """What torch's fused step adds on the host when handed the flag (``_flag_cost``), once timed."""
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
                          self.optimizer.register_step_post_hook(self._post)]
 
@@ -125,6 +148,9 @@ class UpdateHooks:
             params = self._params()
             skip = torch.full((), float(skip), dtype=torch.float32,
                               device=params[0].device if params else torch.device("cpu"))
+        if self._torch_seconds is None:
+            self._torch_seconds = flag_cost(self._params())
+        self._charge(self._torch_seconds)
         existing = getattr(optimizer, "found_inf", None)
         if not self._set_found_inf:
             self._saved_found_inf = getattr(optimizer, "found_inf", _ABSENT)
