@@ -90,7 +90,7 @@ class UpdateHooks:
         self.skipped = 0
         """Updates skipped by ``hide_grads`` (``found_inf`` skips are counted from read-back values)."""
         self._torch_seconds: float | None = None
-        """What torch's fused step adds on the host when handed the flag (``_flag_cost``), once timed."""
+        """What torch's fused step adds on the host when handed the flag (``flag_cost``), once timed."""
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
                          self.optimizer.register_step_post_hook(self._post)]
 
@@ -149,7 +149,11 @@ class UpdateHooks:
             skip = torch.full((), float(skip), dtype=torch.float32,
                               device=params[0].device if params else torch.device("cpu"))
         if self._torch_seconds is None:
-            self._torch_seconds = flag_cost(self._params())
+            try:
+                self._torch_seconds = flag_cost(self._params())
+            except RuntimeError as exc:  # a device without the op: the self-report leaves it out, the step goes on
+                log.debug("trainpatrol: could not time the fused step's flag: %s", exc)
+                self._torch_seconds = 0.0
         self._charge(self._torch_seconds)
         existing = getattr(optimizer, "found_inf", None)
         if not self._set_found_inf:
