@@ -36,10 +36,10 @@ while their CPU nears one core each means the bench, not the agents, was the bot
 seconds from the fault to (a) the first alert naming the fault rank at the receiver, (b) the first
 firing ``ALERTS`` series naming it in Prometheus and (c) the first time ``--outlier-query`` names it
 (by default every recording rule whose name holds "outlier", selected at ``rank=<fault rank>``; null
-when the rules have none). Each also says whether it named the rank before the fault. At the end, every loaded
-rule once more through the query API with Prometheus' query statistics (``rule_work_one_round``): the samples
-each group loads, which depend on the ranks and not on the host, and its rules' evaluation times one query at a
-time.
+when the rules have none). Each also says whether it named the rank before the fault. At the end, with
+everything stopped, Prometheus starts again on the fleet's TSDB with nothing else to do and runs every rule the
+fleet loaded once more, one query at a time, with its query statistics (``rule_work_one_round``): the samples each
+group loads, which depend on the ranks and not on the host, and its rules' evaluation time alone.
 
 ``--ranks 1024,4096`` runs each size in turn, each with fresh agents, Prometheus and Alertmanager.
 Prometheus inherits the environment: ``GOGC=75`` runs it as Prometheus 2.53 and later run by default.
@@ -492,13 +492,12 @@ def scalar(prom: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def rule_work(prom: str, repeats: int = 3) -> dict[str, Any]:
-    """Every loaded rule's expression run once more through the query API at one instant, with Prometheus'
-    query statistics: the samples it loads (``totalQueryableSamples``, the same on any host, so its growth with
-    the ranks is the rules' own and not the host's) and the median of ``repeats`` inner evaluation times."""
-    at = time.time() - 1.0
-    groups: dict[str, dict[str, float]] = {}
-    for group in json.loads(http_get(f"{prom}/api/v1/rules"))["data"]["groups"]:
+def rule_work(prom: str, groups: list[dict[str, Any]], at: float, repeats: int = 5) -> dict[str, Any]:
+    """Every rule of ``groups`` (as ``/api/v1/rules`` lists them) run through the query API at ``at``, one query at
+    a time, with Prometheus' query statistics: the samples it loads (``totalQueryableSamples``, the same on any
+    host, so its growth with the ranks is the rules' own) and the median of ``repeats`` inner evaluation times."""
+    out: dict[str, dict[str, float]] = {}
+    for group in groups:
         samples, seconds = 0.0, 0.0
         for rule in group["rules"]:
             stats = []
@@ -507,9 +506,28 @@ def rule_work(prom: str, repeats: int = 3) -> dict[str, Any]:
                 stats.append(json.loads(http_get(f"{prom}/api/v1/query?{query}", 60))["data"]["stats"])
             samples += stats[0]["samples"]["totalQueryableSamples"]
             seconds += statistics.median(st["timings"]["innerEvalTime"] for st in stats)
-        groups[group["name"]] = {"samples": samples, "inner_eval_seconds": round(seconds, 4)}
-    return {"groups": groups, "samples": sum(g["samples"] for g in groups.values()),
-            "inner_eval_seconds": round(sum(g["inner_eval_seconds"] for g in groups.values()), 4)}
+        out[group["name"]] = {"samples": samples, "inner_eval_seconds": round(seconds, 4)}
+    return {"groups": out, "samples": sum(g["samples"] for g in out.values()),
+            "inner_eval_seconds": round(sum(g["inner_eval_seconds"] for g in out.values()), 4)}
+
+
+def quiet_rule_work(s: Settings, groups: list[dict[str, Any]], workdir: Path) -> dict[str, Any]:
+    """``rule_work`` in a Prometheus that does nothing else: started again on the stopped fleet's TSDB with no
+    scrapes and no rules, at the last instant the fleet wrote. Its times are the rules' evaluation alone, without
+    the ingest and the other groups that the live timings share the process with."""
+    quiet = Fleet(workdir)
+    (workdir / "quiet.yml").write_text("global: {evaluation_interval: 1h}\n")
+    prom = f"http://127.0.0.1:{free_port()}"
+    quiet.spawn("prometheus-quiet", s.pinned([
+        shutil.which("prometheus") or "prometheus", f"--config.file={workdir / 'quiet.yml'}",
+        f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address={prom.removeprefix('http://')}",
+        "--log.level=warn"], prometheus=True))
+    try:
+        wait_until("quiet prometheus ready", lambda: quiet.answers(prom + "/-/ready"), 120)
+        head = json.loads(http_get(f"{prom}/api/v1/status/tsdb"))["data"]["headStats"]
+        return {"head_series": head["numSeries"], **rule_work(prom, groups, head["maxTime"] / 1000 - 1)}
+    finally:
+        quiet.stop()
 
 
 def exposition(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -698,13 +716,14 @@ def measure(ranks: int, s: Settings, replay: Replay, workdir: Path) -> dict[str,
             "series_recorded": 'count({__name__=~".+:.+"})',
         }.items()}
         counted = agents_counted(ports)
-        work = rule_work(prom)
+        groups = json.loads(http_get(f"{prom}/api/v1/rules"))["data"]["groups"]
     finally:
         with uninterrupted():
             stop.set()
             pushed = collect(results, procs, s.push_interval)
             fleet.stop()
             receiver.close()
+    work = quiet_rule_work(s, groups, workdir)
     return {
         "ranks": ranks,
         "agents": s.agents,
