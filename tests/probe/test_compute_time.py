@@ -45,6 +45,13 @@ def test_compute_time_leaves_out_the_wait_for_data(tmp_path: Path) -> None:
     assert totals.step_sum / 11 >= 0.14 and totals.loader_wait / 12 >= 0.095
 
 
+def quiet_patrol(model: torch.nn.Module, tmp_path: Path) -> Patrol:
+    """A Patrol that pushes nowhere (its snapshot is read directly) and whose guards do not act."""
+    return Patrol(model=model, config=PatrolConfig(
+        run="compute", agent_url="http://127.0.0.1:9", embedded_agent=False, checkpoint_dir=str(tmp_path / "ckpt"),
+        evidence_dir=str(tmp_path / "evidence"), push_interval_seconds=3600, guard_actions={}))
+
+
 def pushed(patrol: Patrol) -> dict[str, float]:
     return {s["name"]: s["value"] for s in patrol._report.snapshot()["samples"]
             if s["name"] in ("trainpatrol_step_total", "trainpatrol_compute_seconds_total")}
@@ -54,9 +61,7 @@ def test_the_compute_counter_is_pushed_at_zero_with_the_step_counter_before_the_
     """Both counters' first samples fall in one scrape: a rate ratio of counters whose first samples differ by a
     scrape skews a young run's per-step compute mean by that scrape's share of the window."""
     model = torch.nn.Linear(4, 1)
-    patrol = Patrol(model=model, config=PatrolConfig(
-        run="compute", agent_url="http://127.0.0.1:9", embedded_agent=False, checkpoint_dir=str(tmp_path / "ckpt"),
-        evidence_dir=str(tmp_path / "evidence"), push_interval_seconds=3600, guard_actions={}))
+    patrol = quiet_patrol(model, tmp_path)
     try:
         assert pushed(patrol) == {"trainpatrol_step_total": 0.0, "trainpatrol_compute_seconds_total": 0.0}
         model(torch.ones(1, 4)).sum().backward()
@@ -84,9 +89,7 @@ def test_a_rank_whose_first_gradient_autograd_never_accumulates_stops_pushing_co
     """After its first step closes with no end seen, the rank pushes no compute time: the Straggler rule reads its
     step time instead of a compute time stuck at 0."""
     model = UnusedFirst()
-    patrol = Patrol(model=model, config=PatrolConfig(
-        run="compute", agent_url="http://127.0.0.1:9", embedded_agent=False, checkpoint_dir=str(tmp_path / "ckpt"),
-        evidence_dir=str(tmp_path / "evidence"), push_interval_seconds=3600, guard_actions={}))
+    patrol = quiet_patrol(model, tmp_path)
     try:
         for _ in range(2):
             model(torch.ones(1, 4)).sum().backward()
