@@ -205,8 +205,8 @@ class Split:
     PARTS: dict[str, list[tuple[Any, str]]] = {
         "loader wrapper": [],  # TimedLoader.__iter__, below
         "step() itself": [(patrol_module.Patrol, "step"), (step_recorder.StepRecorder, "record")],
-        "device row and verdict": [(device_values.DeviceValues, "record"),
-                                   (device_values.DeviceValues, "nonfinite")],
+        "device values and verdict": [(device_values.DeviceValues, "record"),
+                                      (device_values.DeviceValues, "flush")],
         "read-back": [(readback.Readback, "poll"), (readback.Readback, "submit"),
                       (step_recorder.StepRecorder, "_flush")],
         "fold-in": [(step_recorder.StepRecorder, "fold_in"), (step_recorder.StepRecorder, "_absorb"),

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainpatrol import Patrol, PatrolConfig
+from trainpatrol.probe import compute_clock
 
 
 class Slow(Dataset[torch.Tensor]):
@@ -97,3 +100,46 @@ def test_a_rank_whose_first_gradient_autograd_never_accumulates_stops_pushing_co
         assert pushed(patrol) == {"trainpatrol_step_total": 2.0}
     finally:
         patrol.close()
+
+
+class Burning(torch.nn.Module):
+    """A forward that takes ``seconds`` of CPU: a fast step's known compute."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            pass
+        out: torch.Tensor = self.lin(x)
+        return out
+
+
+def test_a_fast_loop_times_a_sample_of_its_steps_and_counts_each_for_the_steps_between(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of about 2 ms: the clock's hooks run on about ten steps a second, not on all 300, and the compute total
+    still comes to about 2 ms a step."""
+    hooked: list[float] = []
+    original = compute_clock.ComputeClock._forward
+
+    def counted(self: compute_clock.ComputeClock, module: torch.nn.Module, args: Any) -> None:
+        hooked.append(time.perf_counter())
+        original(self, module, args)
+    monkeypatch.setattr(compute_clock.ComputeClock, "_forward", counted)
+    model = Burning(0.002)
+    patrol = quiet_patrol(model, tmp_path)
+    try:
+        start = time.perf_counter()
+        for _ in range(300):
+            model(torch.ones(1, 4)).sum().backward()
+            patrol.step(torch.tensor(1.0))
+        elapsed = time.perf_counter() - start
+        patrol._recorder.fold_in()
+        compute = patrol._totals.compute
+    finally:
+        patrol.close()
+    assert 2 <= len(hooked) <= elapsed / compute_clock.GAP_SECONDS + 2, (len(hooked), elapsed)
+    assert 0.0015 <= compute / 300 <= 0.004, compute  # a timed step stands for the untimed ones before it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -81,23 +82,63 @@ def test_the_flag_of_a_row_of_step_values_is_one_exactly_when_one_is_not_finite(
     values = DeviceValues(torch.device("cpu"))
     loss, norm, scale = (torch.tensor(v) for v in row)
     for _ in range(3):  # across a flush: the flags are reused, a verdict never sticks
-        written = values.record(loss, norm, scale)
-        assert values.nonfinite().item() == flag
-        torch.testing.assert_close(written, torch.tensor(row), equal_nan=True)  # the check leaves the row as it was
-        values.record(torch.tensor(1.0), torch.tensor(2.0), None)
-        assert values.nonfinite().item() == 0.0
-        values.flush()
+        assert values.record(loss, norm, scale, judge=True).item() == flag  # type: ignore[union-attr]
+        assert values.record(torch.tensor(1.0), torch.tensor(2.0), None, judge=True).item() == 0.0  # type: ignore[union-attr]
+        rows, written = values.flush()
+        assert rows == 2  # the check left the row as it was
+        torch.testing.assert_close(written[:3], torch.tensor(row), equal_nan=True)
 
 
 def test_each_row_keeps_its_own_flag_until_the_next_batch_starts() -> None:
     """The optimizer step of a row reads its flag after later rows were judged, so a NaN row's flag must
     stay set while the batch lasts, and a new batch must start from zero."""
     values = DeviceValues(torch.device("cpu"))
-    values.record(torch.tensor(math.nan), None, None)
-    bad = values.nonfinite()
-    values.record(torch.tensor(1.0), None, None)
-    good = values.nonfinite()
-    assert (bad.item(), good.item()) == (1.0, 0.0)
+    bad = values.record(torch.tensor(math.nan), None, None, judge=True)
+    good = values.record(torch.tensor(1.0), None, None, judge=True)
+    assert bad is not None and good is not None and (bad.item(), good.item()) == (1.0, 0.0)
     values.flush()
-    values.record(torch.tensor(1.0), None, None)
-    assert values.nonfinite().item() == 0.0 and bad.item() == 0.0
+    assert values.record(torch.tensor(1.0), None, None, judge=True).item() == 0.0 and bad.item() == 0.0  # type: ignore[union-attr]
+
+
+def test_the_verdict_leaves_the_loss_as_it_was_for_autograd_too() -> None:
+    """The check runs on the caller's own loss tensor: its value and version stay, so a graph that saved the loss
+    (exp saves its output) still runs backward after patrol.step(), and the loss is read back exactly."""
+    values = DeviceValues(torch.device("cpu"))
+    x = torch.tensor([0.1, 0.2], requires_grad=True)
+    loss = x.exp().sum().exp()
+    before, version = loss.item(), loss._version
+    assert values.record(loss, None, None, judge=True).item() == 0.0  # type: ignore[union-attr]
+    assert (loss.item(), loss._version) == (before, version)
+    loss.backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    _, read = values.flush()
+    assert read[0].item() == before
+
+
+def test_a_loss_changed_in_place_before_it_was_read_is_said_once_and_later_steps_are_copied_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="trainpatrol")
+    values = DeviceValues(torch.device("cpu"))
+    loss, norm = torch.tensor(2.0), torch.tensor(3.0)
+    values.record(loss, norm, None, judge=True)
+    loss.mul_(10)  # e.g. scaled for a log line, after patrol.step()
+    values.flush()
+    assert values.copy_each_step and caplog.text.count("modified in place") == 1
+    values.record(loss, norm, None, judge=True)
+    loss.mul_(10)
+    values.record(torch.tensor(5.0), None, None, judge=False)
+    rows, read = values.flush()
+    assert rows == 2 and read[:6].tolist() == [20.0, 3.0, 1.0, 5.0, -1.0, 1.0]  # as they were at each step
+    assert caplog.text.count("modified in place") == 1
+
+
+def test_values_made_in_inference_mode_are_read_as_given() -> None:
+    values = DeviceValues(torch.device("cpu"))
+    with torch.inference_mode():
+        loss, norm = torch.tensor(1.5), torch.tensor(0.5)
+    assert values.record(loss, norm, None, judge=True).item() == 0.0  # type: ignore[union-attr]
+    assert values.record(torch.tensor(math.nan), torch.tensor(0.5), torch.tensor(8.0),
+                         judge=True).item() == 1.0  # type: ignore[union-attr]
+    rows, read = values.flush()
+    assert rows == 2 and read[:3].tolist() == [1.5, 0.5, 1.0] and read[4:6].tolist() == [0.5, 8.0]
+    assert not values.copy_each_step

@@ -1,19 +1,21 @@
 """Keeps each step's loss, grad norm and loss scale on the device, in a ring of rows.
 
-One kernel a step writes a row, and with the non-finite skip on, one more judges it. Every few steps
-(``flush``) the filled rows go to the host in one non-blocking copy. Every row is read back (the
-host counts the non-finite ones), because the CPU can never run far enough ahead of the GPU to use
-up the pinned buffers. On a launch-bound model each launch and each Python call shows in the step
-time, so the views a step writes into are made once.
+With the non-finite skip on, one kernel a step judges the step's values. Every few steps (``flush``) one kernel
+stacks the batch's values into the ring, and the filled rows go to the host in one non-blocking copy. Every row is
+read back (the host counts the non-finite ones), because the CPU can never run far enough ahead of the GPU to use
+up the pinned buffers. On a launch-bound model each launch and each Python call shows in the step time, so the
+views a step writes into are made once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 
 import torch
 
+log = logging.getLogger("trainpatrol")
 LOSS, GRAD_NORM, SCALE = range(3)
 ROW = 3
 ROWS = 16
@@ -55,64 +57,85 @@ def nonfinite_flag(value: torch.Tensor, extra: torch.Tensor | float | None, out:
 
 
 class DeviceValues:
-    """Reusing the ring is safe: the copy to the host is queued on the same stream before later
+    """Holds each step's values until ``flush`` stacks them into the ring, one kernel a batch. A value modified in
+    place before then (``Tensor._version`` moved) would be read as modified: Patrol says so once and from the next
+    batch on copies each step's values into its row at once instead, one kernel a step.
+
+    Reusing the ring is safe: the copy to the host is queued on the same stream before later
     steps' kernels overwrite a row."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buf = torch.zeros(WIDTH, dtype=DTYPE, device=device)
         self._rows = list(self._buf.view(ROWS, ROW).unbind())
+        self._heads = [self._buf[:n * ROW] for n in range(ROWS + 1)]
+        """The first n rows, the view ``flush`` stacks a held batch into."""
         self._flags = torch.zeros(ROWS, dtype=torch.float32, device=device)
         self._flag_of = list(self._flags.unbind())
         self._absent = torch.full((), ABSENT, dtype=DTYPE, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
+        self._held: list[torch.Tensor] = []
+        self._versions: list[int] = []
+        self.copy_each_step = False
         self.filled = 0
 
     def _scalar(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a 0-dim ``DTYPE`` tensor on this device (a [1]-shaped value, a pipeline's last stage)."""
         t = t.detach()
         if t.dim():
             t = t.reshape(())
-        return t if t.device == self.device else t.to(self.device)
+        return t.to(self.device, DTYPE)
 
-    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None,
-               scale: torch.Tensor | None) -> torch.Tensor:
-        """Write one step's row and return it (call ``flush`` before ``ROWS`` rows are filled)."""
-        if grad_norm is None:
-            gn = self._absent
-        elif isinstance(grad_norm, torch.Tensor):
-            gn = grad_norm.detach()
-        else:
-            gn = torch.full((), float(grad_norm), dtype=DTYPE, device=self.device)
-        sc = self._one if scale is None else scale.detach()
-        if self.filled == 0:
-            # the flags of the last batch were all read by optimizer steps queued before this one
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None, scale: torch.Tensor | None,
+               judge: bool) -> torch.Tensor | None:
+        """Take one step's values (call ``flush`` before ``ROWS`` rows are filled). ``judge``: return a float32
+        device flag, 1.0 when one of them is NaN/Inf, as fused optimizers take it (``found_inf``)."""
+        i = self.filled
+        self.filled = i + 1
+        if i == 0 and judge:  # the flags of the last batch were all read by optimizer steps queued before this one
             self._flags.zero_()
-        row = self._rows[self.filled]
-        values = [loss.detach(), gn, sc]
-        try:  # the usual step: 0-dim values on this device, one kernel and no checks of ours
-            if values[0].dim() or gn.dim():
-                raise RuntimeError("not 0-dim")
-            torch.stack(values, out=row)
-        except RuntimeError:  # a [1]-shaped value, or one on another device (a pipeline's last stage)
-            torch.stack([self._scalar(v) for v in values], out=row)
-        self.filled += 1
-        return row
-
-    def nonfinite(self) -> torch.Tensor:
-        """A float32 device flag, 1.0 when the last recorded row holds a NaN/Inf, as fused optimizers take it
-        (``found_inf``): GradScaler's own check kernel, which multiplies the row by 1.0 and so leaves it as it
-        was, into the row's own pre-zeroed flag."""
-        i = self.filled - 1
-        flag = self._flag_of[i]
+        gn = grad_norm.detach() if isinstance(grad_norm, torch.Tensor) else self._constant(grad_norm)
+        loss = loss.detach()
+        if loss.ndim or gn.ndim or loss.dtype != DTYPE or gn.dtype != DTYPE:
+            loss, gn = self._scalar(loss), self._scalar(gn)
+        # the loss scale changes in place (GradScaler.update): a copy of this step's
+        values = (loss, gn) if scale is None else (loss, gn, self._scalar(scale).clone())
+        flag = None
+        if judge:  # GradScaler's own check kernel: it multiplies the values by 1.0, leaving them as they were
+            flag = self._flag_of[i]
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(list(values), flag, self._one)
+            except (AttributeError, RuntimeError):  # private API: fall back to the public ops
+                nonfinite_flag(torch.stack(values).sum(), None, flag)
+        row = values if scale is not None else (loss, gn, self._one)
+        if self.copy_each_step:
+            torch.stack(row, out=self._rows[i])
+            return flag
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_([self._rows[i]], flag, self._one)
-        except (AttributeError, RuntimeError):  # private API: fall back to the public ops
-            return nonfinite_flag(self._rows[i].sum(), None, flag)
+            self._versions += (loss._version, gn._version)
+        except RuntimeError:  # an inference tensor keeps no version: copied
+            row = (loss.clone(), gn.clone(), row[SCALE])
+            self._versions += (row[LOSS]._version, row[GRAD_NORM]._version)
+        self._held += row
         return flag
+
+    def _constant(self, value: float | None) -> torch.Tensor:
+        if value is None:
+            return self._absent
+        return torch.full((), float(value), dtype=DTYPE, device=self.device)
 
     def flush(self) -> tuple[int, torch.Tensor]:
         """Returns (filled rows, the buffer to copy to the host) and starts a new batch."""
         n, self.filled = self.filled, 0
+        held, self._held = self._held, []
+        if held:
+            versions, self._versions = self._versions, []
+            loss_and_norm = [t for k, t in enumerate(held) if k % ROW != SCALE]
+            if any(t._version != v for t, v in zip(loss_and_norm, versions, strict=True)):
+                log.warning("trainpatrol: a loss or grad norm given to patrol.step() was modified in place before "
+                            "Patrol read it; Patrol now copies each step's values at once (one more kernel a step)")
+                self.copy_each_step = True
+            torch.stack(held, out=self._heads[n])
         return n, self._buf
 
 

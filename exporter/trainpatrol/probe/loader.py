@@ -120,14 +120,13 @@ class TimedLoader(Iterable[T]):
     ``state_dict``/``load_state_dict`` make it a resumable loader for frameworks that save one (Lightning)."""
 
     def __init__(self, loader: Iterable[T], boundary: Callable[[], None] = lambda: None,
-                 waited: Callable[[float], None] = lambda seconds: None, tracker: LoaderTracker | None = None, *,
-                 charge: Callable[[float], None] = lambda seconds: None) -> None:
-        """``waited`` takes each fetch's wait; ``charge`` the wrapper's own time, as Patrol's overhead (the
-        boundary charges its own)."""
+                 fetched: Callable[[float, float], None] = lambda start, end: None,
+                 tracker: LoaderTracker | None = None) -> None:
+        """``fetched`` takes each fetch's start and end (``time.perf_counter``): the wait, and from the end on
+        the wrapper's own time, Patrol's overhead (the boundary charges its own)."""
         self._loader = loader
         self._boundary = boundary
-        self._waited = waited
-        self._charge = charge
+        self._fetched = fetched
         self._tracker = tracker or LoaderTracker()
         self.trained: int | None = None
         """Batches of the current epoch already trained on, when a framework fetches ahead of training (set by
@@ -140,7 +139,7 @@ class TimedLoader(Iterable[T]):
         it = self._tracker.start_epoch(self._loader)
         position = self._tracker.position
         self.trained = None
-        boundary, waited, charge, clock = self._boundary, self._waited, self._charge, time.perf_counter
+        boundary, fetched, clock = self._boundary, self._fetched, time.perf_counter
         while True:
             boundary()
             start = clock()
@@ -148,10 +147,8 @@ class TimedLoader(Iterable[T]):
                 batch = next(it)
             except StopIteration:
                 return
-            end = clock()
-            waited(end - start)
             position.batches += 1
-            charge(clock() - end)
+            fetched(start, clock())
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -255,8 +255,7 @@ class Patrol:
         """
         self._report.audit_loader(loader, self._device.type == "cuda")
         self._control.boundary_driven = True
-        return TimedLoader(loader, self._control.boundary, self._recorder.waited, self._loader_tracker,
-                           charge=self._recorder.charge)
+        return TimedLoader(loader, self._control.boundary, self._recorder.fetched, self._loader_tracker)
 
     def step(self, loss: torch.Tensor, *, grad_norm: torch.Tensor | float | None = None,
              batch_size: int | None = None, tokens: int | None = None,

@@ -3,11 +3,11 @@
 A step appends one row of host facts (its end, duration, loader wait, learning rate) to a batch that
 is folded into history, totals and guards about every ``readback_lag_seconds`` (``fold_in``), so the
 per-step Python is a handful of attribute writes. On CUDA the step's loss, grad norm and loss scale
-go into a device ring (one kernel, and one more for the non-finite verdict); the batch's rows are
-copied non-blocking to pinned memory when it is folded in, and read back at a later fold, once they
-have landed: never a host-device sync. On CPU a value is read at once (for free), and a non-finite
-value or a due allocator read folds the batch in at once. Both fold their values in through one
-path, ``_absorb_values``.
+stay on the device (one kernel a step for the non-finite verdict); when the batch is folded in they are
+stacked into a device ring (one kernel) and copied non-blocking to pinned memory, and read back at a
+later fold, once they have landed: never a host-device sync. On CPU a value is read at once (for
+free), and a non-finite value or a due allocator read folds the batch in at once. Both fold their
+values in through one path, ``_absorb_values``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,16 @@ JUDGED_AT_ONCE = {"nonfinite_loss", "nonfinite_grad", "memory_fragmentation", "o
 CLIPPED_NORM_STEPS = 8
 """Steps in a row with the same grad norm (to 1e-5) that mean it was read after clipping."""
 Row = list[Any]
-"""A step not yet folded in: [step, end, seconds, loader wait, loss, grad norm, scale, learning rate, probe
-seconds]; on CUDA loss, grad norm and scale are NaN here and come with the read-back."""
+"""A step not yet folded in: [step, end, seconds, loader wait, loss, grad norm, scale, learning rate (as the
+optimizer holds it), probe seconds]; on CUDA loss, grad norm and scale are NaN here and come with the read-back."""
 STEP, END, SECONDS, WAIT, LOSS, GRAD_NORM, SCALE, LEARNING_RATE, PROBE = range(9)
+
+
+def _learning_rate(lr: Any) -> float:
+    """A param group's learning rate as a float, read without a sync (a tensor on a device stays unread)."""
+    if isinstance(lr, int | float) or (isinstance(lr, torch.Tensor) and lr.device.type == "cpu"):
+        return float(lr)
+    return math.nan
 
 
 class StepRecorder:
@@ -86,9 +93,16 @@ class StepRecorder:
         self._wait_since_step += seconds
         self.totals.loader_wait += seconds
 
+    def fetched(self, start: float, end: float) -> None:
+        """The loader wrapper waited for a batch from ``start`` to ``end``; its own time from then on is Patrol's."""
+        wait = end - start
+        self._wait_since_step += wait
+        self.totals.loader_wait += wait
+        self.probe_since_step += time.perf_counter() - end
+
     def charge(self, seconds: float) -> None:
-        """Patrol's own time spent outside ``record`` (the loader wrapper, the optimizer hooks, the boundary),
-        counted with the next step in ``trainpatrol_probe_overhead_ratio``."""
+        """Patrol's own time spent outside ``record`` (the optimizer hooks, the boundary), counted with the next
+        step in ``trainpatrol_probe_overhead_ratio``."""
         self.probe_since_step += seconds
 
     def start_at(self, step: int) -> None:
@@ -144,20 +158,21 @@ class StepRecorder:
             if hooks is not None:
                 hooks.judge(urgent)
         else:  # the values stay on the device until the batch's read-back
-            self._exposure.sample()
+            if self._exposure.watching:
+                self._exposure.sample()
             values = self._values
-            values.record(mean_loss, grad_norm, scale)
-            if hooks is not None and hooks.mode != "off":  # the row just written holds loss and grad norm
-                hooks.judge(values.nonfinite())
+            judge = hooks is not None and hooks.mode != "off"
+            flag = values.record(mean_loss, grad_norm, scale, judge)
+            if flag is not None:
+                hooks.judge(flag)  # type: ignore[union-attr]
             loss_f = gn_f = scale_f = math.nan
             urgent = values.filled == dv.ROWS
         rows = self._rows
         if not rows:
             self.owner = threading.get_ident()
         if self.compute_clock is not None:
-            self.probe_since_step += self.compute_clock.step()
-        row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f, scale_f,
-               float(lr) if isinstance(lr, float | int | torch.Tensor) else math.nan, 0.0]
+            self.probe_since_step += self.compute_clock.step(start)
+        row = [t.steps, start, start - self.last_step_end, self._wait_since_step, loss_f, gn_f, scale_f, lr, 0.0]
         rows.append(row)
         self.last_step_end = start
         self._wait_since_step = 0.0
@@ -236,7 +251,8 @@ class StepRecorder:
             for row in rows:
                 step, end, seconds, wait, loss, gn, scale, lr, probe = row
                 rec = self._open_record(step, wall + end, seconds, wait)
-                rec.probe_seconds, rec.learning_rate = probe, lr
+                rec.probe_seconds = probe
+                rec.learning_rate = lr if type(lr) is float else _learning_rate(lr)
                 elapsed += seconds
                 if read_memory and row is last:
                     self.read_memory(step, end)

@@ -116,17 +116,13 @@ class UpdateHooks:
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _take_verdict(self) -> Verdict | None:
-        verdict, self._verdict = self._verdict, None
-        if verdict is None:  # Patrol.step did not judge this step (a framework that steps first): the grads tell
-            norm = dv.total_grad_norm(self._params())  # type: ignore[arg-type]
-            verdict = None if norm is None else self.flag(norm)  # None: no grads yet (a closure computes them)
-        return verdict
-
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         start = time.perf_counter()
         if self.mode != "off":
-            verdict = self._take_verdict()
+            verdict, self._verdict = self._verdict, None
+            if verdict is None:  # Patrol.step did not judge this step (a framework that steps first): the grads tell
+                norm = dv.total_grad_norm(self._params())  # type: ignore[arg-type]
+                verdict = None if norm is None else self.flag(norm)  # None: no grads yet (a closure computes them)
             if verdict is not None:
                 self.decide(verdict)
         self._charge(time.perf_counter() - start)
