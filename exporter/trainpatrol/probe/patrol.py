@@ -263,7 +263,9 @@ class Patrol:
         """Record one micro-batch; every ``grad_accum_steps``-th call closes an optimizer step.
 
         Call after ``backward()``, before ``optimizer.step()`` and ``zero_grad()``. Nothing is read on the host:
-        the values are copied off the device and read one step later.
+        on a GPU the loss and grad norm tensors are stacked and copied off the device with the next few steps
+        (about ``readback_lag_seconds``), so leave them as they are until then (one changed in place is logged,
+        and Patrol then copies each step's values at once).
 
         Args:
             loss: The micro-batch's loss, unscaled: not divided for accumulation (Patrol averages).
