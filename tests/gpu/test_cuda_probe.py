@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from trainpatrol import Patrol, PatrolConfig
+from trainpatrol.probe.device_values import DeviceValues
 from trainpatrol.probe.identity import gpu_uuid
 from trainpatrol.probe.memory import cuda_reader, from_stats
 
@@ -270,3 +272,21 @@ def test_a_gpu_bound_loop_pays_none_of_patrols_host_time_and_a_host_bound_one_al
     # a 16-wide product takes microseconds; the host's 2 ms a step leave the device waiting
     share, ratio = exposed_share(tmp_path / "host-bound", 16, 0.002)
     assert share == 1.0 and 0 < ratio < 0.5
+
+
+def test_values_on_another_device_are_judged_and_read_back_as_given() -> None:
+    """A pipeline's last stage may hand a loss that lives elsewhere than the ring: the verdict and the read-back
+    still come right, and the caller's CUDA loss stays as it was for autograd."""
+    values = DeviceValues(torch.device("cuda"))
+    x = torch.tensor([0.1, 0.2], device="cuda", requires_grad=True)
+    loss = x.exp().sum().exp()  # its graph keeps the loss: an in-place change would fail the backward
+    version = loss._version
+    flags = [values.record(torch.tensor(1.5), torch.tensor(0.5, device="cuda"), None, judge=True),
+             values.record(loss, torch.tensor(float("nan")), None, judge=True),
+             values.record(torch.tensor([2.5], device="cuda"), None, None, judge=True)]
+    rows, buf = values.flush()
+    assert [f.item() for f in flags if f is not None] == [0.0, 1.0, 0.0]
+    expected = [1.5, 0.5, 1.0, loss.item(), math.nan, 1.0, 2.5, -1.0, 1.0]
+    torch.testing.assert_close(buf[:9].cpu(), torch.tensor(expected), equal_nan=True)
+    assert rows == 3 and loss._version == version
+    loss.backward()

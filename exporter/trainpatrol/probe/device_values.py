@@ -99,17 +99,22 @@ class DeviceValues:
         if loss.ndim or gn.ndim or loss.dtype != DTYPE or gn.dtype != DTYPE:
             loss, gn = self._scalar(loss), self._scalar(gn)
         # the loss scale changes in place (GradScaler.update): a copy of this step's
-        values = (loss, gn) if scale is None else (loss, gn, self._scalar(scale).clone())
+        values: tuple[torch.Tensor, ...] = (loss, gn) if scale is None else (loss, gn, self._scalar(scale).clone())
         flag = None
         if judge:  # GradScaler's own check kernel: it multiplies the values by 1.0, leaving them as they were
             flag = self._flag_of[i]
             try:
                 torch._amp_foreach_non_finite_check_and_unscale_(list(values), flag, self._one)
-            except (AttributeError, RuntimeError):  # private API: fall back to the public ops
+            except (AttributeError, RuntimeError):  # a private API; a value on another device (a pipeline's
+                values = tuple(self._scalar(v) for v in values)  # last stage) or made in inference mode
+                loss, gn = values[LOSS], values[GRAD_NORM]
                 nonfinite_flag(torch.stack(values).sum(), None, flag)
         row = values if scale is not None else (loss, gn, self._one)
         if self.copy_each_step:
-            torch.stack(row, out=self._rows[i])
+            try:
+                torch.stack(row, out=self._rows[i])
+            except RuntimeError:  # a value on another device
+                torch.stack([self._scalar(v) for v in row], out=self._rows[i])
             return flag
         try:
             self._versions += (loss._version, gn._version)
@@ -135,7 +140,10 @@ class DeviceValues:
                 log.warning("trainpatrol: a loss or grad norm given to patrol.step() was modified in place before "
                             "Patrol read it; Patrol now copies each step's values at once (one more kernel a step)")
                 self.copy_each_step = True
-            torch.stack(held, out=self._heads[n])
+            try:
+                torch.stack(held, out=self._heads[n])
+            except RuntimeError:  # a value on another device (a pipeline's last stage)
+                torch.stack([self._scalar(t) for t in held], out=self._heads[n])
         return n, self._buf
 
 
