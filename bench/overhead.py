@@ -4,10 +4,11 @@ Every variant iterates the same ``DataLoader`` (shuffled, 2 workers, pinned memo
 workers), one epoch per repetition: ``--warmup`` untimed steps, then ``--steps`` timed ones, closed by a
 device sync. The README loop: batch to the device (non-blocking), forward, backward,
 ``clip_grad_norm_``, ``patrol.step(loss, grad_norm=total, batch_size=B, tokens=B*T)``, the optimizer
-step (fused AdamW on CUDA). The variants rotate in each repetition: ``bare``, ``patrol`` and
-``bare_again``, whose "overhead" is the run's noise floor. The Patrol variant builds a fresh ``Patrol``
-before its epoch and closes it after (both untimed), so its optimizer hooks and its publisher thread live
-only while it runs, as in a job; a real agent process takes its pushes.
+step (fused AdamW on CUDA). Each repetition runs the variants ``bare``, ``patrol`` and ``bare_again``
+(whose "overhead" is the run's noise floor) in one of their six orders, in turn (so use a multiple of six
+repetitions). The Patrol variant builds a fresh ``Patrol`` before its epoch and closes it after (both untimed),
+so its optimizer hooks and its publisher thread live only while it runs, as in a job; a real agent process
+takes its pushes.
 
 Reported per case: step time, the paired median overhead (each repetition's variants ran back to back),
 the training thread's CPU time per step (``time.thread_time``: robust on a noisy host) and what Patrol
@@ -27,6 +28,7 @@ import argparse
 import cProfile
 import gc
 import io
+import itertools
 import json
 import math
 import os
@@ -117,13 +119,17 @@ def _teacher_data(n: int) -> TensorDataset:
 
 
 CASES = {c.name: c for c in [
-    Case("gpt-5ms", lambda: GPT(2, 256, 4, seq=128), _token_data(128), 8, 128, True, reps=32, steps=200),
+    Case("gpt-5ms", lambda: GPT(2, 256, 4, seq=128), _token_data(128), 8, 128, True, reps=36, steps=200),
     Case("gpt-10ms", lambda: GPT(4, 512, 8, seq=256), _token_data(256), 16, 256, True, reps=24, steps=200),
     Case("gpt2-124m", lambda: GPT(12, 768, 12), _token_data(1024), 16, 1024, True, reps=6, steps=60),
     Case("mlp-cpu", lambda: nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
-                                          nn.Linear(512, 1)), _teacher_data, 64, 0, False, reps=40, steps=200),
+                                          nn.Linear(512, 1)), _teacher_data, 64, 0, False, reps=42, steps=200),
 ]}
 VARIANTS = ["bare", "patrol", "bare_again"]
+ORDERS = list(itertools.permutations(VARIANTS))
+"""Every order of the variants in turn: each variant runs first, second and third, and right after each other one,
+equally often. A rotation alone puts ``bare_again`` after ``patrol`` in two of three repetitions and ``bare``
+in none, so whatever a Patrol epoch leaves behind lands on the noise floor."""
 
 
 def _loss(model: nn.Module, case: Case, batch: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -342,7 +348,7 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
     epoch("patrol")
     runs: dict[str, list[Epoch]] = {v: [] for v in VARIANTS}
     for rep in range(reps):
-        for v in VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]:
+        for v in ORDERS[rep % len(ORDERS)]:
             runs[v].append(epoch(v))
 
     def paired(v: str, field: str, pct: bool) -> float:
