@@ -120,8 +120,9 @@ class Burning(torch.nn.Module):
 
 def test_a_fast_loop_times_a_sample_of_its_steps_and_counts_each_for_the_steps_between(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of about 2 ms: the clock's hooks run on about ten steps a second, not on all 300, and the compute total
-    still comes to about 2 ms a step."""
+    """Steps of about 2 ms: the clock's hooks run on about ten steps a second, not on all 300, and its total still
+    comes to the forwards' and backwards' own time, as the loop clocks it itself (on a loaded machine a step takes
+    longer than its 2 ms of CPU, for both)."""
     hooked: list[float] = []
     original = compute_clock.ComputeClock._forward
 
@@ -132,9 +133,11 @@ def test_a_fast_loop_times_a_sample_of_its_steps_and_counts_each_for_the_steps_b
     model = Burning(0.002)
     patrol = quiet_patrol(model, tmp_path)
     try:
-        start = time.perf_counter()
+        start, computed = time.perf_counter(), 0.0
         for _ in range(300):
+            began = time.perf_counter()
             model(torch.ones(1, 4)).sum().backward()
+            computed += time.perf_counter() - began
             patrol.step(torch.tensor(1.0))
         elapsed = time.perf_counter() - start
         patrol._recorder.fold_in()
@@ -142,4 +145,4 @@ def test_a_fast_loop_times_a_sample_of_its_steps_and_counts_each_for_the_steps_b
     finally:
         patrol.close()
     assert 2 <= len(hooked) <= elapsed / compute_clock.GAP_SECONDS + 2, (len(hooked), elapsed)
-    assert 0.0015 <= compute / 300 <= 0.004, compute  # a timed step stands for the untimed ones before it
+    assert 0.6 <= compute / computed <= 1.6, (compute, computed)  # a timed step stands for the untimed ones before it
