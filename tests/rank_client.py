@@ -43,8 +43,10 @@ def push(client: TestClient, key: str = "", headers: dict[str, str] | None = Non
 
 
 def now_rfc3339() -> str:
-    """The wall clock as Alertmanager writes times."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() % 1 * 1e6):06d}Z"
+    """The wall clock as Alertmanager writes times, from one reading: two could straddle a second and write a time
+    a second early (an alert that then predates its run's key)."""
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
 
 
 def alert(fp: str, *, action: str = "pause", run: str = "train", namespace: str = "",
