@@ -290,3 +290,31 @@ def test_values_on_another_device_are_judged_and_read_back_as_given() -> None:
     torch.testing.assert_close(buf[:9].cpu(), torch.tensor(expected), equal_nan=True)
     assert rows == 3 and loss._version == version
     loss.backward()
+
+
+def test_a_loss_from_a_cuda_graph_is_read_back_as_its_step_had_it_or_not_at_all(tmp_path: Path) -> None:
+    """``torch.compile(mode="reduce-overhead")`` hands a loss that is a CUDA graph's output, overwritten by the
+    next replay. Patrol holds a step's values until its batch is flushed: each step's recorded loss is the one that
+    step had, or none (a batch it could no longer read), never a later step's, and the loop runs on."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    loss_of = torch.compile(lambda out, y: (out - y).pow(2).mean(), mode="reduce-overhead")
+    config = PatrolConfig(run="gpu-graph", agent_url="http://127.0.0.1:9", embedded_agent=False,
+                          checkpoint_dir=str(tmp_path / "ckpt"), evidence_dir=str(tmp_path / "evidence"),
+                          guard_actions={})
+    seen = []
+    with Patrol(model=model, optimizer=opt, config=config) as patrol:
+        for _ in range(64):
+            x, y = torch.randn(16, 8, device=DEV), torch.randn(16, 1, device=DEV)
+            loss = loss_of(model(x), y)
+            loss.backward()
+            seen.append(loss.detach().clone())
+            patrol.step(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    recorded = {r.step: r.loss for r in patrol._history.records}
+    expected = [float(v) for v in torch.stack(seen).cpu()]
+    got = [recorded.get(step, math.nan) for step in range(1, 65)]
+    assert all(math.isnan(g) or g == want for g, want in zip(got, expected, strict=True)), (got, expected)
+    assert sum(not math.isnan(g) for g in got[-32:]) == 32  # copied at once from the first lost batch on, if any

@@ -142,3 +142,23 @@ def test_values_made_in_inference_mode_are_read_as_given() -> None:
     rows, read = values.flush()
     assert rows == 2 and read[:3].tolist() == [1.5, 0.5, 1.0] and read[4:6].tolist() == [0.5, 8.0]
     assert not values.copy_each_step
+
+
+def test_values_a_cuda_graph_overwrote_are_dropped_with_a_warning_and_later_steps_copied_at_once(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.compile(mode="reduce-overhead")`` a loss may be a CUDA graph's output, which the next replay
+    overwrites, and reading it then raises. The stack that reads the batch raises here as it would there (no CUDA
+    graphs on this machine): the flush loses that batch, says so, and never fails the step."""
+    caplog.set_level(logging.WARNING, logger="trainpatrol")
+    values = DeviceValues(torch.device("cpu"))
+    values.record(torch.tensor(1.0), torch.tensor(2.0), None, judge=True)
+
+    def overwritten(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run")
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "stack", overwritten)
+        rows, _ = values.flush()
+    assert rows == 0 and values.copy_each_step and "this batch's values are lost" in caplog.text
+    values.record(torch.tensor(3.0), torch.tensor(4.0), None, judge=True)
+    rows, read = values.flush()
+    assert rows == 1 and read[:3].tolist() == [3.0, 4.0, 1.0]

@@ -58,8 +58,9 @@ def nonfinite_flag(value: torch.Tensor, extra: torch.Tensor | float | None, out:
 
 class DeviceValues:
     """Holds each step's values until ``flush`` stacks them into the ring, one kernel a batch. A value modified in
-    place before then (``Tensor._version`` moved) would be read as modified: Patrol says so once and from the next
-    batch on copies each step's values into its row at once instead, one kernel a step.
+    place before then (``Tensor._version`` moved) would be read as modified, and one a CUDA graph's later replay
+    overwrote cannot be read: Patrol says so once and from the next batch on copies each step's values into its
+    row at once instead, one kernel a step.
 
     Reusing the ring is safe: the copy to the host is queued on the same stream before later
     steps' kernels overwrite a row."""
@@ -137,14 +138,21 @@ class DeviceValues:
             versions, self._versions = self._versions, []
             loss_and_norm = [t for k, t in enumerate(held) if k % ROW != SCALE]
             if any(t._version != v for t, v in zip(loss_and_norm, versions, strict=True)):
-                log.warning("trainpatrol: a loss or grad norm given to patrol.step() was modified in place before "
-                            "Patrol read it; Patrol now copies each step's values at once (one more kernel a step)")
-                self.copy_each_step = True
+                self._copy_from_now("was modified in place before Patrol read it")
             try:
                 torch.stack(held, out=self._heads[n])
             except RuntimeError:  # a value on another device (a pipeline's last stage)
-                torch.stack([self._scalar(t) for t in held], out=self._heads[n])
+                try:
+                    torch.stack([self._scalar(t) for t in held], out=self._heads[n])
+                except RuntimeError as exc:  # an output of a CUDA graph that a later replay overwrote
+                    self._copy_from_now(f"could not be read a few steps later ({exc}); this batch's values are lost")
+                    return 0, self._buf
         return n, self._buf
+
+    def _copy_from_now(self, why: str) -> None:
+        log.warning("trainpatrol: a loss or grad norm given to patrol.step() %s; Patrol now copies each step's "
+                    "values at once (one more kernel a step)", why)
+        self.copy_each_step = True
 
 
 def unpack(first_step: int, rows: int, values: list[float]) -> list[tuple[int, float, float, float]]:

@@ -229,6 +229,8 @@ class StepRecorder:
         """Send the device ring's filled rows to the host, to be read back once they land."""
         if self._values.filled:
             rows, buf = self._values.flush()
+            if not rows:  # the batch's values could not be read (DeviceValues said why)
+                return
             self._readback.submit((self.totals.steps - rows + 1, rows), buf)
             self._exposure.watch(self._readback.last_event)
             self.latest.exposed_share = self._exposure.share
