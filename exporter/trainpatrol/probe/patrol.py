@@ -264,8 +264,8 @@ class Patrol:
 
         Call after ``backward()``, before ``optimizer.step()`` and ``zero_grad()``. Nothing is read on the host:
         on a GPU the loss and grad norm tensors are stacked and copied off the device with the next few steps
-        (about ``readback_lag_seconds``), so leave them as they are until then (one changed in place is logged,
-        and Patrol then copies each step's values at once).
+        (about ``readback_lag_seconds``), so leave them as they are until then. One changed in place, or a CUDA
+        graph's output overwritten by its next replay, is logged, and Patrol then copies each step's values at once.
 
         Args:
             loss: The micro-batch's loss, unscaled: not divided for accumulation (Patrol averages).
