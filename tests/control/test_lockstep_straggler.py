@@ -55,9 +55,18 @@ def test_a_rank_30_percent_slower_in_its_forward_is_named_by_its_compute_time(tm
         try:
             wait_for(lambda: stragglers(prom), 300, interval=1, what="TrainPatrolStraggler firing")
             assert stragglers(prom) == {"1"}
-            step = every_ranks_ratio(prom, STEP_RATIO)
             compute = every_ranks_ratio(prom, COMPUTE_RATIO)
-            assert max(step.values()) < 1.1, step  # the all-reduce evens step times out
+            # the all-reduce evens step times out; in a young run each rank's window starts at its own first scrape,
+            # so on a loaded runner it holds a different share of the slow early steps until it fills
+            steps: list[dict[str, float]] = []
+
+            def evened() -> bool:
+                steps.append(every_ranks_ratio(prom, STEP_RATIO))
+                return max(steps[-1].values()) < 1.1
+            try:
+                wait_for(evened, 90, interval=2, what="every rank's step ratio under 1.1")
+            except TimeoutError:
+                raise AssertionError(f"step ratios never evened out: {steps[-3:]}") from None
             # the slow rank passes the rule's 1.2; the others stay below it (a loaded 2-core runner lets a
             # healthy rank's host-clocked compute time drift up to about 1.14)
             assert compute["1"] > 1.2 and all(v < 1.2 for r, v in compute.items() if r != "1"), compute
