@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from servers import agent
 from trainpatrol import Patrol, PatrolConfig
 from trainpatrol.probe import compute_clock
-from trainpatrol.probe.compute_clock import ComputeClock
 from trainpatrol.probe.snapshot import RankReport
 from trainpatrol.probe.step_recorder import StepRecorder
 from trainpatrol.probe.update_hooks import UpdateHooks
@@ -133,7 +132,7 @@ def test_a_slow_compute_clock_raises_the_ratio(tmp_path: Path, agent_url: str, b
     # its forward pre-hook runs at a timed step's first forward, outside step() and the optimizer's hooks; here
     # every step is timed
     monkeypatch.setattr(compute_clock, "GAP_SECONDS", 0.0)
-    ratio, share = counted_share(monkeypatch, ComputeClock, "_begin", tmp_path, agent_url, batches)
+    ratio, share = counted_share(monkeypatch, compute_clock.ComputeClock, "_begin", tmp_path, agent_url, batches)
     assert ratio > 0.6 * share > 0.06, (ratio, share)
 
 

@@ -38,7 +38,6 @@ class ComputeClock:
         accumulated by autograd (FSDP2 sets its sharded gradients itself) measures none, and the Straggler rule
         reads its step time instead."""
         self.active = self._first is not None
-        self._gap = GAP_SECONDS
         self._measured = False
         self._on_gpu = device.type == "cuda"
         self._began = self._ended = 0.0
@@ -112,7 +111,7 @@ class ComputeClock:
                     self.seconds += (self._ended - self._began) * self._steps_since
                 self._disarm(timed=True)
                 self._steps_since = 0
-                self._next_at = now + self._gap
+                self._next_at = now + GAP_SECONDS
             elif self._began and not self._measured:
                 self.seconds, self.active = math.nan, False
                 self._disarm()

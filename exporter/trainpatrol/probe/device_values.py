@@ -105,25 +105,29 @@ class DeviceValues:
         if judge:  # GradScaler's own check kernel: it multiplies the values by 1.0, leaving them as they were
             flag = self._flag_of[i]
             try:
-                torch._amp_foreach_non_finite_check_and_unscale_(list(values), flag, self._one)
+                torch._amp_foreach_non_finite_check_and_unscale_(values, flag, self._one)
             except (AttributeError, RuntimeError):  # a private API; a value on another device (a pipeline's
                 values = tuple(self._scalar(v) for v in values)  # last stage) or made in inference mode
                 loss, gn = values[LOSS], values[GRAD_NORM]
                 nonfinite_flag(torch.stack(values).sum(), None, flag)
         row = values if scale is not None else (loss, gn, self._one)
         if self.copy_each_step:
-            try:
-                torch.stack(row, out=self._rows[i])
-            except RuntimeError:  # a value on another device
-                torch.stack([self._scalar(v) for v in row], out=self._rows[i])
+            self._stack(row, self._rows[i])
             return flag
         try:
-            self._versions += (loss._version, gn._version)
+            versions = (loss._version, gn._version, row[SCALE]._version)
         except RuntimeError:  # an inference tensor keeps no version: copied
             row = (loss.clone(), gn.clone(), row[SCALE])
-            self._versions += (row[LOSS]._version, row[GRAD_NORM]._version)
+            versions = (row[LOSS]._version, row[GRAD_NORM]._version, row[SCALE]._version)
         self._held += row
+        self._versions += versions
         return flag
+
+    def _stack(self, values: tuple[torch.Tensor, ...] | list[torch.Tensor], out: torch.Tensor) -> None:
+        try:
+            torch.stack(values, out=out)
+        except RuntimeError:  # a value on another device (a pipeline's last stage)
+            torch.stack([self._scalar(v) for v in values], out=out)
 
     def _constant(self, value: float | None) -> torch.Tensor:
         if value is None:
@@ -136,17 +140,13 @@ class DeviceValues:
         held, self._held = self._held, []
         if held:
             versions, self._versions = self._versions, []
-            loss_and_norm = [t for k, t in enumerate(held) if k % ROW != SCALE]
-            if any(t._version != v for t, v in zip(loss_and_norm, versions, strict=True)):
+            if any(t._version != v for t, v in zip(held, versions, strict=True)):
                 self._copy_from_now("was modified in place before Patrol read it")
             try:
-                torch.stack(held, out=self._heads[n])
-            except RuntimeError:  # a value on another device (a pipeline's last stage)
-                try:
-                    torch.stack([self._scalar(t) for t in held], out=self._heads[n])
-                except RuntimeError as exc:  # an output of a CUDA graph that a later replay overwrote
-                    self._copy_from_now(f"could not be read a few steps later ({exc}); this batch's values are lost")
-                    return 0, self._buf
+                self._stack(held, self._heads[n])
+            except RuntimeError as exc:  # an output of a CUDA graph that a later replay overwrote
+                self._copy_from_now(f"could not be read a few steps later ({exc}); this batch's values are lost")
+                return 0, self._buf
         return n, self._buf
 
     def _copy_from_now(self, why: str) -> None:

@@ -27,11 +27,6 @@ class Exposure:
         """The event that ends the read-back just queued; ``sample`` queries it at the next step."""
         self._event = event
 
-    @property
-    def watching(self) -> bool:
-        """Whether an event waits to be sampled."""
-        return self._event is not None
-
     def sample(self) -> None:
         event, self._event = self._event, None
         if event is not None:

@@ -158,8 +158,7 @@ class StepRecorder:
             if hooks is not None:
                 hooks.judge(urgent)
         else:  # the values stay on the device until the batch's read-back
-            if self._exposure.watching:
-                self._exposure.sample()
+            self._exposure.sample()
             values = self._values
             judge = hooks is not None and hooks.mode != "off"
             flag = values.record(mean_loss, grad_norm, scale, judge)
