@@ -10,11 +10,12 @@ repetitions). The Patrol variant builds a fresh ``Patrol`` before its epoch and 
 so its optimizer hooks and its publisher thread live only while it runs, as in a job; a real agent process
 takes its pushes.
 
-Reported per case: step time, the paired median overhead (each repetition's variants ran back to back),
-the training thread's CPU time per step (``time.thread_time``: robust on a noisy host) and what Patrol
-adds to it, in kernel launches of this host (the floor, measured here), the publisher thread's CPU per
-second, Patrol's own ``trainpatrol_probe_overhead_ratio`` against the measured overhead, and one
-instrumented epoch that splits Patrol's host time per step by part.
+Reported per case: step time, the paired median overhead (each repetition's variants ran back to back)
+with a bootstrap 95 % interval and the quartiles of the pairs, each repetition's step times, the training
+thread's CPU time per step (``time.thread_time``: robust on a noisy host) and what Patrol adds to it, in
+kernel launches of this host (the floor, measured here), the publisher thread's CPU per second, Patrol's own
+``trainpatrol_probe_overhead_ratio`` against the measured overhead, and one instrumented epoch that splits
+Patrol's host time per step by part.
 
     python bench/overhead.py [--device cpu|cuda] [--case NAME ...] [--reps N] [--profile]
 
@@ -34,6 +35,7 @@ import math
 import os
 import platform
 import pstats
+import random
 import statistics
 import subprocess
 import sys
@@ -206,7 +208,7 @@ def self_reported(patrol: Patrol) -> float:
 
 class Split:
     """Exclusive host time per part on the training thread, by wrapping Patrol's functions (an
-    instrumented epoch only: the wrappers cost about a microsecond a call)."""
+    instrumented epoch only: the wrappers cost about a microsecond a call, which ``wrapper_seconds`` measures)."""
 
     PARTS: dict[str, list[tuple[Any, str]]] = {
         "loader wrapper": [],  # TimedLoader.__iter__, below
@@ -228,6 +230,7 @@ class Split:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls = 0
         self._stack: list[float] = []
         self._undo: list[tuple[Any, str, Any]] = []
         self._owner = threading.get_ident()
@@ -235,6 +238,7 @@ class Split:
     def _frame(self, part: str, fn: Callable[[], Any]) -> Any:
         if threading.get_ident() != self._owner:
             return fn()
+        self.calls += 1
         self._stack.append(0.0)
         t0 = time.perf_counter()
         try:
@@ -279,8 +283,21 @@ class Split:
             def __next__(self) -> Any:
                 return split._frame("(the DataLoader itself)", lambda: next(self.it))
 
+        class Source:
+            """The loader as the tracker sees it: starting its epoch (``iter``, which a bare loop pays too) is the
+            DataLoader's time, not the wrapper's."""
+
+            def __init__(self, loader_: Any) -> None:
+                self.loader = loader_
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.loader, name)
+
+            def __iter__(self) -> Timed:
+                return Timed(split._frame("(the DataLoader itself)", lambda: iter(self.loader)))
+
         def start_timed(self: Any, loader_: Any) -> Iterator[Any]:
-            return Timed(start_epoch(self, loader_))
+            return start_epoch(self, Source(loader_))
 
         timed_loader.__iter__ = iter_timed  # type: ignore[method-assign]
         tracker.start_epoch = start_timed  # type: ignore[method-assign]
@@ -290,6 +307,38 @@ class Split:
     def __exit__(self, *exc: object) -> None:
         for owner, name, original in reversed(self._undo):
             setattr(owner, name, original)
+
+    @staticmethod
+    def wrapper_seconds(calls: int = 20000) -> float:
+        """What one wrapped call costs more than the plain call (a method that does nothing, best of 5): the
+        most the split can add per call to the parts' sum, which holds the calls nested inside others whole."""
+        class Plain:
+            def nothing(self) -> None:
+                pass
+
+        class Wrapped(Plain):
+            nothing = Plain.__dict__["nothing"]
+
+        plain, split = Plain(), Split()
+        split._wrap(Wrapped, "nothing", "calibration")
+        wrapped = Wrapped()
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                plain.nothing()
+            t1 = time.perf_counter()
+            for _ in range(calls):
+                wrapped.nothing()
+            best = min(best, (time.perf_counter() - t1) - (t1 - t0))
+        return best / calls
+
+
+def median_interval(values: list[float], resamples: int = 2000) -> list[float]:
+    """A bootstrap 95 % interval of the median of ``values`` (seeded: the same data gives the same interval)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [round(medians[int(0.025 * resamples)], 3), round(medians[int(0.975 * resamples) - 1], 3)]
 
 
 def launch_us(device: torch.device) -> float:
@@ -351,9 +400,12 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
         for v in ORDERS[rep % len(ORDERS)]:
             runs[v].append(epoch(v))
 
-    def paired(v: str, field: str, pct: bool) -> float:
+    def differences(v: str, field: str, pct: bool) -> list[float]:
         pairs = [(getattr(a, field), getattr(b, field)) for a, b in zip(runs[v], runs["bare"], strict=True)]
-        return statistics.median([100 * (x / y - 1) if pct else x - y for x, y in pairs])
+        return [100 * (x / y - 1) if pct else x - y for x, y in pairs]
+
+    def paired(v: str, field: str, pct: bool) -> float:
+        return statistics.median(differences(v, field, pct))
 
     floor = launch_us(device)
     added_cpu_us = paired("patrol", "cpu_s", False) * 1e6
@@ -363,6 +415,10 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
         "case": case.name, "reps": reps, "steps_per_rep": steps, "warmup_steps": warmup,
         "step_ms": {v: round(statistics.median(e.step_s for e in runs[v]) * 1e3, 4) for v in VARIANTS},
         "overhead_pct_paired_median": {v: round(paired(v, "step_s", True), 3) for v in VARIANTS[1:]},
+        "overhead_pct_paired_median_95ci": {v: median_interval(differences(v, "step_s", True))
+                                            for v in VARIANTS[1:]},
+        "overhead_pct_paired_quartiles": {v: [round(q, 2) for q in statistics.quantiles(
+            differences(v, "step_s", True), n=4)] for v in VARIANTS[1:]},
         "training_thread_cpu_us_per_step": {v: round(statistics.median(e.cpu_s for e in runs[v]) * 1e6, 1)
                                             for v in VARIANTS},
         "patrol_added_cpu_us_per_step_paired": round(added_cpu_us, 1),
@@ -374,12 +430,19 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
         "self_report_exposed_share": round(statistics.median(e.exposed_share for e in runs["patrol"]), 3),
         "self_report_minus_measured_pp": round(reported - measured, 3),
     }
+    out["raw_step_ms"] = {v: [round(e.step_s * 1e3, 4) for e in runs[v]] for v in VARIANTS}
     # one instrumented Patrol epoch, and a bare one for the optimizer step's own host time
     with Split() as split:
         part = epoch("patrol", time_opt=True)
     bare = epoch("bare", time_opt=True)
     timed_steps = warmup + steps  # the instrumented epoch counts its warm-up steps too
-    out["patrol_host_us_per_step_by_part"] = {k: round(v / timed_steps * 1e6, 2) for k, v in split.seconds.items()}
+    by_part = {k: v / timed_steps * 1e6 for k, v in split.seconds.items()}
+    out["patrol_host_us_per_step_by_part"] = {k: round(v, 2) for k, v in by_part.items()}
+    patrol_parts = sum(v for k, v in by_part.items() if not k.startswith("("))
+    wrapper_us = split.calls / timed_steps * Split.wrapper_seconds() * 1e6
+    out["patrol_parts_us_per_step"] = {"sum": round(patrol_parts, 2),
+                                       "split_wrapper_cost_at_most": round(wrapper_us, 2),
+                                       "sum_less_wrapper_cost": round(patrol_parts - wrapper_us, 2)}
     out["optimizer_step_host_us"] = {"bare": round(bare.opt_step_s * 1e6, 1), "patrol": round(part.opt_step_s * 1e6, 1)}
     if args.profile:
         prof = cProfile.Profile()
