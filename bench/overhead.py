@@ -172,14 +172,16 @@ class Epoch:
 
 
 def run_epoch(batches: Iterable[Any], model: nn.Module, opt: torch.optim.Optimizer, case: Case,
-              device: torch.device, warmup: int, patrol: Patrol | None, time_opt: bool = False) -> Epoch:
-    """One epoch of the README loop; times the steps after ``warmup``."""
+              device: torch.device, warmup: int, patrol: Patrol | None, time_opt: bool = False,
+              timed_start: Callable[[], None] = lambda: None) -> Epoch:
+    """One epoch of the README loop; times the steps after ``warmup`` (``timed_start`` is called as they start)."""
     start = cpu = pub = 0.0
     publisher = patrol._publisher._thread if patrol is not None else None
     opt_s, steps = 0.0, 0
     for i, batch in enumerate(batches):
         if i == warmup:
             _sync(device)
+            timed_start()
             start, cpu, pub = time.perf_counter(), time.thread_time(), _thread_cpu(publisher)
         loss = _loss(model, case, batch, device)
         loss.backward()
@@ -283,6 +285,9 @@ class Split:
             def __next__(self) -> Any:
                 return split._frame("(the DataLoader itself)", lambda: next(self.it))
 
+            def __getattr__(self, name: str) -> Any:  # the host-memory read finds the workers through it
+                return getattr(self.it, name)
+
         class Source:
             """The loader as the tracker sees it: starting its epoch (``iter``, which a bare loop pays too) is the
             DataLoader's time, not the wrapper's."""
@@ -303,6 +308,11 @@ class Split:
         tracker.start_epoch = start_timed  # type: ignore[method-assign]
         self._undo += [(timed_loader, "__iter__", wrapper_iter), (tracker, "start_epoch", start_epoch)]
         return self
+
+    def reset(self) -> None:
+        """Count from here (the timed steps start; no part is open)."""
+        self.seconds.clear()
+        self.calls = 0
 
     def __exit__(self, *exc: object) -> None:
         for owner, name, original in reversed(self._undo):
@@ -376,7 +386,7 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
                            guard_actions={})
         return Patrol(model=model, optimizer=opt, config=cfg)
 
-    def epoch(variant: str, time_opt: bool = False) -> Epoch:
+    def epoch(variant: str, time_opt: bool = False, timed_start: Callable[[], None] = lambda: None) -> Epoch:
         nonlocal epochs
         if sampler is not None:
             sampler.set_epoch(epochs)
@@ -386,7 +396,7 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
             return run_epoch(dl, model, opt, case, device, warmup, None, time_opt)
         patrol = fresh_patrol()
         try:
-            result = run_epoch(patrol.loader(dl), model, opt, case, device, warmup, patrol, time_opt)
+            result = run_epoch(patrol.loader(dl), model, opt, case, device, warmup, patrol, time_opt, timed_start)
             result.self_reported = self_reported(patrol)
             result.exposed_share = patrol._latest.exposed_share
             return result
@@ -433,13 +443,12 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
     out["raw_step_ms"] = {v: [round(e.step_s * 1e3, 4) for e in runs[v]] for v in VARIANTS}
     # one instrumented Patrol epoch, and a bare one for the optimizer step's own host time
     with Split() as split:
-        part = epoch("patrol", time_opt=True)
+        part = epoch("patrol", time_opt=True, timed_start=split.reset)
     bare = epoch("bare", time_opt=True)
-    timed_steps = warmup + steps  # the instrumented epoch counts its warm-up steps too
-    by_part = {k: v / timed_steps * 1e6 for k, v in split.seconds.items()}
+    by_part = {k: v / steps * 1e6 for k, v in split.seconds.items()}  # the timed steps, as in the other epochs
     out["patrol_host_us_per_step_by_part"] = {k: round(v, 2) for k, v in by_part.items()}
     patrol_parts = sum(v for k, v in by_part.items() if not k.startswith("("))
-    wrapper_us = split.calls / timed_steps * Split.wrapper_seconds() * 1e6
+    wrapper_us = split.calls / steps * Split.wrapper_seconds() * 1e6
     out["patrol_parts_us_per_step"] = {"sum": round(patrol_parts, 2),
                                        "split_wrapper_cost_at_most": round(wrapper_us, 2),
                                        "sum_less_wrapper_cost": round(patrol_parts - wrapper_us, 2)}
