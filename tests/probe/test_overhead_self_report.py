@@ -1,5 +1,5 @@
-"""``trainpatrol_probe_overhead_ratio`` counts all of Patrol: the loader wrapper, the optimizer hooks and the
-publisher thread, not only ``step()``. Each part made slow on purpose (CPU burnt in it) raises the ratio that
+"""``trainpatrol_probe_overhead_ratio`` counts all of Patrol: ``step()`` from its first line, the loader wrapper,
+the optimizer hooks and the publisher thread. Each part made slow on purpose (CPU burnt in it) raises the ratio that
 a README loop over a real shuffled DataLoader with workers reports."""
 
 from __future__ import annotations
@@ -102,6 +102,13 @@ def counted_share(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, tmp: P
 
 def test_a_quick_patrol_reports_a_small_ratio(tmp_path: Path, agent_url: str, batches: DataLoader[Any]) -> None:
     assert 0 < reported_ratio(tmp_path, agent_url, batches) < 0.2
+
+
+def test_a_slow_step_raises_the_ratio_from_its_first_line(tmp_path: Path, agent_url: str, batches: DataLoader[Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # the burn comes before the recorder's first line: step() times itself from its own first line
+    ratio, share = counted_share(monkeypatch, StepRecorder, "record", tmp_path, agent_url, batches)
+    assert ratio > 0.6 * share > 0.06, (ratio, share)
 
 
 def test_slow_optimizer_hooks_raise_the_ratio(tmp_path: Path, agent_url: str, batches: DataLoader[Any],

@@ -279,10 +279,12 @@ class Patrol:
             RuntimeError: On the CPU, when an action is waiting and the loop has no boundary where Patrol can
                 act: no ``loader``, no ``optimizer``, no ``boundary()`` call.
         """
-        closed = self._recorder.record(loss, grad_norm, batch_size, tokens, learning_rates)
-        # only a CPU step checks: a CUDA step keeps its cost to what it must do
-        if closed and self._recorder.on_cpu and self._commands and self._hooks is None \
-                and not self._control.boundary_driven:
+        start = time.perf_counter()  # Patrol's time from here on, for trainpatrol_probe_overhead_ratio
+        recorder = self._recorder
+        # only a CPU step checks: a CUDA step keeps its cost to what it must do (and the record counts the check)
+        no_boundary = recorder.on_cpu and self._hooks is None and not self._control.boundary_driven
+        if recorder.record(loss, grad_norm, batch_size, tokens, learning_rates, start) and no_boundary \
+                and self._commands:
             self._control.cannot_act()
 
     def boundary(self) -> None:

@@ -112,9 +112,9 @@ class StepRecorder:
         self.last_step_end = time.perf_counter()
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None, batch_size: int | None,
-               tokens: int | None, learning_rates: list[float] | None) -> bool:
-        """One micro-step (see ``Patrol.step``); returns whether it closed an optimizer step."""
-        start = time.perf_counter()
+               tokens: int | None, learning_rates: list[float] | None, start: float) -> bool:
+        """One micro-step (see ``Patrol.step``), which began at ``start`` (``time.perf_counter``): Patrol's time
+        from then on. Returns whether it closed an optimizer step."""
         t = self.totals
         t.micro_steps += 1
         if batch_size:
