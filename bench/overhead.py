@@ -17,7 +17,7 @@ kernel launches of this host (the floor, measured here), the publisher thread's 
 ``trainpatrol_probe_overhead_ratio`` against the measured overhead, and one instrumented epoch that splits
 Patrol's host time per step by part.
 
-    python bench/overhead.py [--device cpu|cuda] [--case NAME ...] [--reps N] [--profile]
+    python bench/overhead.py [--device cpu|cuda] [--case NAME ...] [--reps N | --seconds S] [--profile]
 
 Under ``torchrun --nproc-per-node 2 bench/overhead.py --ddp`` the model is wrapped in DDP, the loader
 takes a ``DistributedSampler``, and the Patrol variant includes the control-word exchange.
@@ -366,7 +366,7 @@ def launch_us(device: torch.device) -> float:
 
 
 def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent_url: str) -> dict[str, Any]:
-    reps, steps, warmup = args.reps or case.reps, args.steps or case.steps, args.warmup
+    reps, steps, warmup = 0 if args.seconds else args.reps or case.reps, args.steps or case.steps, args.warmup
     torch.manual_seed(0)
     model: nn.Module = case.build().to(device)
     if args.ddp:
@@ -406,9 +406,13 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
     epoch("bare")
     epoch("patrol")
     runs: dict[str, list[Epoch]] = {v: [] for v in VARIANTS}
-    for rep in range(reps):
+    deadline, rep = time.monotonic() + (args.seconds or 0.0), 0
+    # with --seconds, whole rounds of the six orders until the time is up
+    while rep < reps or (args.seconds and (rep % len(ORDERS) or time.monotonic() < deadline)):
         for v in ORDERS[rep % len(ORDERS)]:
             runs[v].append(epoch(v))
+        rep += 1
+    reps = rep
 
     def differences(v: str, field: str, pct: bool) -> list[float]:
         pairs = [(getattr(a, field), getattr(b, field)) for a, b in zip(runs[v], runs["bare"], strict=True)]
@@ -482,6 +486,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--case", action="append", choices=sorted(CASES))
     ap.add_argument("--reps", type=int, help="repetitions of each variant (default: the case's own)")
+    ap.add_argument("--seconds", type=float,
+                    help="instead of --reps: rounds of the six orders until this many seconds passed, per case")
     ap.add_argument("--steps", type=int, help="timed steps per repetition (default: the case's own)")
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each epoch")
     ap.add_argument("--ddp", action="store_true", help="run under torchrun; wraps the model in DDP")
