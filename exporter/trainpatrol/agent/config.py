@@ -110,7 +110,6 @@ class AgentConfig:
     log_level: str = "info"
     exit_when_idle_seconds: float = 0.0
     """Exit when no rank has pushed for this long (0: never): how a detached embedded agent ends."""
-    extra: dict[str, str] = field(default_factory=dict)
 
     def load(self) -> AgentConfig:
         """Validate, read the token file, and enforce the fail-closed rule."""
@@ -163,7 +162,7 @@ class AgentConfig:
         values: dict[str, object] = {}
         for f in fields(cls):
             key = "TRAINPATROL_" + f.name.upper()
-            if key in env and f.name != "extra":
+            if key in env:
                 values[f.name] = _parse(f.name, str(f.type), env[key])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -23,7 +23,6 @@ Tag = tuple[int, int]
 class Readback:
     def __init__(self, device: torch.device, width: int) -> None:
         self.device = device
-        self.width = width
         self.dropped = 0
         self.last_event: torch.cuda.Event | None = None
         """The event recorded after the last queued copy (CUDA)."""

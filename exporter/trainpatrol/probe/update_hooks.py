@@ -87,8 +87,6 @@ class UpdateHooks:
         self._saved_found_inf: Any = _ABSENT
         self._set_found_inf = False
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.skipped = 0
-        """Updates skipped by ``hide_grads`` (``found_inf`` skips are counted from read-back values)."""
         self._torch_seconds: float | None = None
         """What torch's fused step adds on the host when handed the flag (``flag_cost``), once timed."""
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
@@ -132,7 +130,6 @@ class UpdateHooks:
         after a closure's backward (Lightning's ``on_before_optimizer_step``), before the update runs."""
         if self.mode == "hide_grads":
             if bool(skip):  # on the CPU a read is free
-                self.skipped += 1
                 self._hidden = [(p, p.grad) for p in self._params()]
                 for p, _ in self._hidden:
                     p.grad = None
