@@ -162,3 +162,38 @@ def test_values_a_cuda_graph_overwrote_are_dropped_with_a_warning_and_later_step
     values.record(torch.tensor(3.0), torch.tensor(4.0), None, judge=True)
     rows, read = values.flush()
     assert rows == 1 and read[:3].tolist() == [3.0, 4.0, 1.0]
+
+
+def test_a_loss_whose_memory_the_next_step_overwrites_is_read_as_its_step_had_it_or_not_at_all(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Under ``torch.compile(mode="reduce-overhead")`` the loss is a CUDA graph's static output: each replay writes
+    the next step's loss into the same memory, outside autograd (its version stays), and hands the same tensor back.
+    Here numpy writes into a tensor's memory as the replay does (no CUDA graphs on this machine). The values held
+    since the last read-back are lost, with one warning, and each later step is copied at once: a step reads back
+    as it was, never as a later step."""
+    caplog.set_level(logging.WARNING, logger="trainpatrol")
+    values = DeviceValues(torch.device("cpu"))
+    static = torch.zeros(())
+    for step in (1.0, 2.0, 3.0):
+        static.numpy()[...] = step  # the replay
+        values.record(static, torch.tensor(0.5), None, judge=True)
+    rows, read = values.flush()
+    assert rows == 2 and read[:6].tolist() == [2.0, 0.5, 1.0, 3.0, 0.5, 1.0]  # the last two steps, as they were
+    assert values.copy_each_step and caplog.text.count("overwrote") == 1
+    static.numpy()[...] = 4.0
+    values.record(static, None, None, judge=True)
+    static.numpy()[...] = 5.0
+    values.record(static, None, None, judge=True)
+    rows, read = values.flush()
+    assert rows == 2 and read[:6].tolist() == [4.0, -1.0, 1.0, 5.0, -1.0, 1.0]
+    assert caplog.text.count("overwrote") == 1
+
+
+def test_fresh_values_each_step_are_held_until_the_read_back() -> None:
+    # an eager loop: each step's loss and grad norm are new tensors (a norm left out is Patrol's own constant)
+    values = DeviceValues(torch.device("cpu"))
+    for step in range(1, 5):
+        values.record(torch.tensor(float(step)), torch.tensor(0.5) if step % 2 else None, None, judge=True)
+    rows, read = values.flush()
+    assert rows == 4 and read[:12].tolist() == [1.0, 0.5, 1.0, 2.0, -1.0, 1.0, 3.0, 0.5, 1.0, 4.0, -1.0, 1.0]
+    assert not values.copy_each_step

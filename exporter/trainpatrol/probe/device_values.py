@@ -77,6 +77,8 @@ class DeviceValues:
         self._one = torch.ones((), dtype=torch.float32, device=device)
         self._held: list[torch.Tensor] = []
         self._versions: list[int] = []
+        self._memory: set[int] = set()
+        """Where the held values lie (``data_ptr``)."""
         self.copy_each_step = False
         self.filled = 0
 
@@ -91,14 +93,19 @@ class DeviceValues:
                judge: bool) -> torch.Tensor | None:
         """Take one step's values (call ``flush`` before ``ROWS`` rows are filled). ``judge``: return a float32
         device flag, 1.0 when one of them is NaN/Inf, as fused optimizers take it (``found_inf``)."""
-        i = self.filled
-        self.filled = i + 1
-        if i == 0 and judge:  # the flags of the last batch were all read by optimizer steps queued before this one
-            self._flags.zero_()
         gn = grad_norm.detach() if isinstance(grad_norm, torch.Tensor) else self._constant(grad_norm)
         loss = loss.detach()
         if loss.ndim or gn.ndim or loss.dtype != DTYPE or gn.dtype != DTYPE:
             loss, gn = self._scalar(loss), self._scalar(gn)
+        memory = () if self.copy_each_step else self._memory_of(loss, gn)
+        if memory is None or not self._memory.isdisjoint(memory):
+            self._copy_from_now("shares its memory with an earlier step's, and overwrote it (a CUDA graph's output, "
+                                "which each replay writes); the values held since the last read-back are lost")
+            self._held, self._versions, self.filled = [], [], 0
+        i = self.filled
+        self.filled = i + 1
+        if i == 0 and judge:  # the flags of the last batch were all read by optimizer steps queued before this one
+            self._flags.zero_()
         # the loss scale changes in place (GradScaler.update): a copy of this step's
         values: tuple[torch.Tensor, ...] = (loss, gn) if scale is None else (loss, gn, self._scalar(scale).clone())
         flag = None
@@ -109,6 +116,7 @@ class DeviceValues:
             except (AttributeError, RuntimeError):  # a private API; a value on another device (a pipeline's
                 values = tuple(self._scalar(v) for v in values)  # last stage) or made in inference mode
                 loss, gn = values[LOSS], values[GRAD_NORM]
+                memory = self._memory_of(loss, gn)  # copies of the values, if made: those are held
                 nonfinite_flag(torch.stack(values).sum(), None, flag)
         row = values if scale is not None else (loss, gn, self._one)
         if self.copy_each_step:
@@ -119,9 +127,21 @@ class DeviceValues:
         except RuntimeError:  # an inference tensor keeps no version: copied
             row = (loss.clone(), gn.clone(), row[SCALE])
             versions = (row[LOSS]._version, row[GRAD_NORM]._version, row[SCALE]._version)
+            memory = self._memory_of(row[LOSS], row[GRAD_NORM])
         self._held += row
         self._versions += versions
+        self._memory.update(memory or ())
         return flag
+
+    def _memory_of(self, loss: torch.Tensor, gn: torch.Tensor) -> tuple[int, ...] | None:
+        """Where a step's loss and grad norm lie (``data_ptr``; None: unreadable, a CUDA graph's output that torch
+        marked as overwritten). Memory a held tensor owns is never handed out again, so a step whose values lie
+        where a held value lies was written outside the allocator: a CUDA graph's replay, which leaves the version
+        as it was. Patrol's own constant (no grad norm) lies in the same place every step."""
+        try:
+            return (loss.data_ptr(),) if gn is self._absent else (loss.data_ptr(), gn.data_ptr())
+        except RuntimeError:
+            return None
 
     def _stack(self, values: tuple[torch.Tensor, ...] | list[torch.Tensor], out: torch.Tensor) -> None:
         try:
@@ -138,6 +158,7 @@ class DeviceValues:
         """Returns (filled rows, the buffer to copy to the host) and starts a new batch."""
         n, self.filled = self.filled, 0
         held, self._held = self._held, []
+        self._memory.clear()
         if held:
             versions, self._versions = self._versions, []
             if any(t._version != v for t, v in zip(held, versions, strict=True)):
