@@ -190,10 +190,44 @@ def test_a_loss_whose_memory_the_next_step_overwrites_is_read_as_its_step_had_it
 
 
 def test_fresh_values_each_step_are_held_until_the_read_back() -> None:
-    # an eager loop: each step's loss and grad norm are new tensors (a norm left out is Patrol's own constant)
+    """An eager loop: each step's loss and grad norm are new tensors (a norm left out is Patrol's own constant).
+    Once a batch is read, its memory is the allocator's again, and the next batches' values may lie there."""
     values = DeviceValues(torch.device("cpu"))
-    for step in range(1, 5):
-        values.record(torch.tensor(float(step)), torch.tensor(0.5) if step % 2 else None, None, judge=True)
+    first = torch.zeros(())
+    for batch in range(3):
+        first.fill_(1.0)  # each batch's first loss lies where the last batch's did
+        values.record(first, torch.tensor(0.5), None, judge=True)
+        for step in range(2, 5):
+            values.record(torch.tensor(float(step)), torch.tensor(0.5) if step % 2 else None, None, judge=True)
+        rows, read = values.flush()
+        assert rows == 4 and read[:12].tolist() == [1.0, 0.5, 1.0, 2.0, -1.0, 1.0, 3.0, 0.5, 1.0, 4.0, -1.0, 1.0]
+        assert not values.copy_each_step, batch
+
+
+def test_an_inference_tensor_refilled_while_held_is_caught_as_a_graph_output_is(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # an inference tensor's version does not move when it is written in place: its memory tells
+    caplog.set_level(logging.WARNING, logger="trainpatrol")
+    values = DeviceValues(torch.device("cpu"))
+    with torch.inference_mode():
+        loss = torch.zeros(())
+    for step in (1.0, 2.0, 3.0):
+        with torch.inference_mode():
+            loss.fill_(step)
+        values.record(loss, None, None, judge=True)
     rows, read = values.flush()
-    assert rows == 4 and read[:12].tolist() == [1.0, 0.5, 1.0, 2.0, -1.0, 1.0, 3.0, 0.5, 1.0, 4.0, -1.0, 1.0]
+    assert rows == 2 and read[:6].tolist() == [2.0, -1.0, 1.0, 3.0, -1.0, 1.0]
+    assert values.copy_each_step and caplog.text.count("overwrote") == 1
+
+
+def test_values_recorded_inside_inference_mode_are_copied_and_read_as_each_step_had_them() -> None:
+    # there a tensor keeps no version at all, so each step's values are copied (and their copies' memory is held)
+    values = DeviceValues(torch.device("cpu"))
+    with torch.inference_mode():
+        loss = torch.zeros(())
+        for step in (1.0, 2.0, 3.0):
+            loss.fill_(step)
+            values.record(loss, torch.tensor(0.5), torch.tensor(4.0), judge=True)
+    rows, read = values.flush()
+    assert rows == 3 and read[:9].tolist() == [1.0, 0.5, 4.0, 2.0, 0.5, 4.0, 3.0, 0.5, 4.0]
     assert not values.copy_each_step

@@ -124,8 +124,9 @@ class DeviceValues:
             return flag
         try:
             versions = (loss._version, gn._version, row[SCALE]._version)
-        except RuntimeError:  # an inference tensor keeps no version: copied
-            row = (loss.clone(), gn.clone(), row[SCALE])
+        except RuntimeError:  # inside inference_mode a tensor keeps no version: copied, as a tensor that does
+            with torch.inference_mode(False):
+                row = (loss.clone(), gn.clone(), row[SCALE].clone())
             versions = (row[LOSS]._version, row[GRAD_NORM]._version, row[SCALE]._version)
             memory = self._memory_of(row[LOSS], row[GRAD_NORM])
         self._held += row
