@@ -58,9 +58,10 @@ def nonfinite_flag(value: torch.Tensor, extra: torch.Tensor | float | None, out:
 
 class DeviceValues:
     """Holds each step's values until ``flush`` stacks them into the ring, one kernel a batch. A value modified in
-    place before then (``Tensor._version`` moved) would be read as modified, and one a CUDA graph's later replay
-    overwrote cannot be read: Patrol says so once and from the next batch on copies each step's values into its
-    row at once instead, one kernel a step.
+    place before then (``Tensor._version`` moved) would be read as modified; one a CUDA graph's replay overwrote
+    (its memory takes the next step's value, its version stays) would be read as a later step's, or cannot be read
+    at all. Patrol says so once, drops what it holds in the second case, and from then on copies each step's values
+    into its row at once instead, one kernel a step.
 
     Reusing the ring is safe: the copy to the host is queued on the same stream before later
     steps' kernels overwrite a row."""
