@@ -274,6 +274,23 @@ def test_a_gpu_bound_loop_pays_none_of_patrols_host_time_and_a_host_bound_one_al
     assert share == 1.0 and 0 < ratio < 0.5
 
 
+def test_a_gpu_bound_loop_whose_host_waits_in_the_launch_queue_pays_none_of_patrols_host_time(tmp_path: Path) -> None:
+    """Each step queues 4,000 products of some 30 µs on the device, more than the driver's launch queue holds: the
+    host blocks in a launch and is never a whole step ahead, as with a large model, yet the device never waits."""
+    patrol = patrol_for(tmp_path, readback_lag_seconds=0.01)
+    a = torch.randn(1024, 1024, device=DEV)
+    out = torch.empty_like(a)
+    for _ in range(24):
+        for _ in range(4000):
+            torch.mm(a, a, out=out)
+        patrol.step(out.mean())
+    share = patrol._latest.exposed_share
+    ratio = next(s["value"] for s in patrol._report.snapshot()["samples"]
+                 if s["name"] == "trainpatrol_probe_overhead_ratio")
+    patrol.close()
+    assert (share, ratio) == (0.0, 0.0)
+
+
 def test_values_on_another_device_are_judged_and_read_back_as_given() -> None:
     """A pipeline's last stage may hand a loss that lives elsewhere than the ring: the verdict and the read-back
     still come right, and the caller's CUDA loss stays as it was for autograd."""

@@ -24,8 +24,6 @@ class Readback:
     def __init__(self, device: torch.device, width: int) -> None:
         self.device = device
         self.dropped = 0
-        self.last_event: torch.cuda.Event | None = None
-        """The event recorded after the last queued copy (CUDA)."""
         self._cuda = device.type == "cuda"
         self._free: deque[torch.Tensor] = deque()
         self._pending: deque[tuple[Tag, torch.Tensor | list[float], torch.cuda.Event | None]] = deque()
@@ -49,7 +47,6 @@ class Readback:
         buf.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.last_event = event
         self._pending.append((tag, buf, event))
 
     def poll(self) -> list[tuple[Tag, list[float]]]:

@@ -62,7 +62,7 @@ class StepRecorder:
         self.scaler: Any = None
         self._values = dv.DeviceValues(device)
         self._readback = Readback(device, dv.WIDTH)
-        self._exposure = Exposure()
+        self._exposure = Exposure(torch.cuda.Event)
         self.on_cpu = device.type == "cpu"
         self._rows: list[Row] = []
         self._batch = 1
@@ -158,7 +158,7 @@ class StepRecorder:
             if hooks is not None:
                 hooks.judge(urgent)
         else:  # the values stay on the device until the batch's read-back
-            self._exposure.sample()
+            self._exposure.begin()
             values = self._values
             judge = hooks is not None and hooks.mode != "off"
             flag = values.record(mean_loss, grad_norm, scale, judge)
@@ -181,6 +181,7 @@ class StepRecorder:
         else:
             row[PROBE] = self.probe_since_step + (time.perf_counter() - start)
         self.probe_since_step = 0.0
+        self._exposure.end()
         return True
 
     def _open_record(self, step: int, wall: float, seconds: float, wait: float) -> StepRecord:
@@ -231,7 +232,7 @@ class StepRecorder:
             if not rows:  # the batch's values could not be read (DeviceValues said why)
                 return
             self._readback.submit((self.totals.steps - rows + 1, rows), buf)
-            self._exposure.watch(self._readback.last_event)
+            self._exposure.due()
             self.latest.exposed_share = self._exposure.share
 
     def _absorb(self, values: list[tuple[tuple[int, int], list[float]]]) -> None:
