@@ -275,15 +275,14 @@ def test_a_gpu_bound_loop_pays_none_of_patrols_host_time_and_a_host_bound_one_al
 
 
 def test_a_gpu_bound_loop_whose_host_waits_in_the_launch_queue_pays_none_of_patrols_host_time(tmp_path: Path) -> None:
-    """Each step queues 4,000 products of some 30 µs on the device, more than the driver's launch queue holds: the
-    host blocks in a launch and is never a whole step ahead, as with a large model, yet the device never waits."""
+    """Each step queues 3,000 kernels that each keep the device busy for some 50 µs and cost the host a few: more
+    than the driver's launch queue holds, so the host blocks in a launch and is never a whole step ahead, as with a
+    large model, yet the device never waits for it."""
     patrol = patrol_for(tmp_path, readback_lag_seconds=0.01)
-    a = torch.randn(1024, 1024, device=DEV)
-    out = torch.empty_like(a)
-    for _ in range(24):
-        for _ in range(4000):
-            torch.mm(a, a, out=out)
-        patrol.step(out.mean())
+    for _ in range(12):
+        for _ in range(3000):
+            torch.cuda._sleep(100_000)  # about 50 µs at the H200's clock
+        patrol.step(torch.ones((), device=DEV))
     share = patrol._latest.exposed_share
     ratio = next(s["value"] for s in patrol._report.snapshot()["samples"]
                  if s["name"] == "trainpatrol_probe_overhead_ratio")
