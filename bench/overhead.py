@@ -166,7 +166,7 @@ class Epoch:
     publisher_cpu_per_s: float = math.nan
     self_reported: float = math.nan
     exposed_share: float = math.nan
-    """The share of Patrol's host time its self-report counts (the device had caught up with the host)."""
+    """The share of Patrol's host time its self-report counts (the device ran out of queued work while Patrol ran)."""
     opt_step_s: float = math.nan
     """Host seconds per ``optimizer.step()`` call (instrumented epochs only)."""
 

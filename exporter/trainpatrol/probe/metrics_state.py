@@ -54,8 +54,9 @@ class Latest:
     host_memory: HostMemoryReading | None = None
     """The last host-memory reading (taken where a push is built: Patrol.snapshot)."""
     exposed_share: float = 1.0
-    """The share of Patrol's host time the steps pay for: on a GPU, how often the device had caught up with the
-    host (``probe.exposure``); while it runs behind, the host's time hides behind queued work. 1 on CPU."""
+    """The share of Patrol's host time the steps pay for: on a GPU, how often the device ran out of queued work
+    while Patrol's ``step()`` ran (``probe.exposure``); while it is busy, the host's time hides behind that work.
+    1 on CPU."""
 
 
 def samples(t: Totals, latest: Latest, history: History, guards_trips: dict[str, int],
