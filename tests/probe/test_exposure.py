@@ -7,8 +7,8 @@ from trainpatrol.probe.exposure import SAMPLES, Exposure
 
 
 class Device:
-    """A device queue as the exposure sees it (this machine has no GPU): each ``record`` queues an event behind the
-    work queued so far; ``drain`` says whether the device finishes that work before the event is queried."""
+    """A device queue as the exposure sees it (this machine has no GPU): each ``record`` queues the event behind the
+    work queued so far; ``drains`` says, sample by sample, whether the device finished that work by the query."""
 
     def __init__(self) -> None:
         self.made = 0
