@@ -25,20 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
 from overhead import GPT
 
-from trainpatrol.probe.update_hooks import flag_cost
+from trainpatrol.probe.update_hooks import flag_cost, subtraction_seconds
 
 SHAPES = {"gpt-5ms": (2, 256, 4, 128), "gpt-10ms": (4, 512, 8, 256), "gpt2-124m": (12, 768, 12, 1024)}
 
 
-def subtract_us(steps: list[torch.Tensor], flag: torch.Tensor, reps: int = 200) -> float:
-    """Median host µs of the subtraction torch runs on the step counts when handed the flag."""
-    torch._foreach_sub_(steps, [flag] * len(steps))
-    took = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch._foreach_sub_(steps, [flag] * len(steps))
-        took.append(time.perf_counter() - start)
-    return statistics.median(took) * 1e6
+def subtract_us(steps: list[torch.Tensor], flag: torch.Tensor) -> float:
+    return subtraction_seconds(steps, flag, repeats=201) * 1e6
 
 
 def case(layers: int, dim: int, heads: int, seq: int, device: torch.device) -> dict[str, object]:
