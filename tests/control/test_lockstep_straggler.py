@@ -19,7 +19,7 @@ RULES = REPO / "alerting" / "rules-fast.yml"
 def lockstep(tmp: Path, url: str, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                              str(WORKER)], env=python_env(AGENT_URL=url, OUT=str(tmp), OMP_NUM_THREADS="1",
-                                                          RUN="lockstep", FORWARD_SECONDS="0.03", **env),
+                                                          RUN="lockstep", FORWARD_SECONDS="0.05", **env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -67,9 +67,11 @@ def test_a_rank_30_percent_slower_in_its_forward_is_named_by_its_compute_time(tm
                 wait_for(evened, 90, interval=2, what="every rank's step ratio under 1.1")
             except TimeoutError:
                 raise AssertionError(f"step ratios never evened out: {steps[-3:]}") from None
-            # the slow rank passes the rule's 1.2; the others stay below it (a loaded 2-core runner lets a
-            # healthy rank's host-clocked compute time drift up to about 1.14)
-            assert compute["1"] > 1.2 and all(v < 1.2 for r, v in compute.items() if r != "1"), compute
+            # the firing rule already read rank 1 above 1.2; read a moment later on a loaded 2-core runner it may sit
+            # just under (1.197 seen in CI), so here it must stay the largest while every other rank stays under the
+            # rule's 1.2 (a healthy rank's host-clocked compute time drifts up to about 1.14)
+            assert max(compute, key=compute.__getitem__) == "1", compute
+            assert all(v < 1.2 for r, v in compute.items() if r != "1"), compute
         finally:
             job.kill()
             job.wait()
