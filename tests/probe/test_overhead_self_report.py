@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,15 +48,18 @@ def agent_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def reported_ratio(tmp: Path, url: str, batches: DataLoader[Any], *, push_interval: float = 3600.0,
                    min_seconds: float = 0.0, own: list[float] | None = None,
-                   step_seconds: list[float] | None = None, fused: bool = False) -> float:
+                   step_seconds: list[float] | None = None, step_cpu: list[float] | None = None,
+                   fused: bool = False) -> float:
     """The README loop for an epoch (and more, until ``min_seconds`` have passed); Patrol's self-report after it.
-    ``own`` gets the training thread's part of it."""
+    ``own`` gets the training thread's part of it; ``step_seconds`` the mean step time over Patrol's window,
+    ``step_cpu`` the training thread's mean CPU seconds a step over the same steps."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     cfg = PatrolConfig(run="self-report", agent_url=url, embedded_agent=False, checkpoint_dir=str(tmp / "ckpt"),
                        evidence_dir=str(tmp / "evidence"), window=32, guard_actions={},
                        push_interval_seconds=push_interval)
+    cpu_at_step: deque[float] = deque(maxlen=33)
     with Patrol(model=model, optimizer=opt, config=cfg) as patrol:
         start = time.monotonic()
         while patrol.step_count < 40 or time.monotonic() - start < min_seconds:
@@ -64,6 +68,7 @@ def reported_ratio(tmp: Path, url: str, batches: DataLoader[Any], *, push_interv
                 loss.backward()
                 burn(STEP_WORK)
                 patrol.step(loss, batch_size=8)
+                cpu_at_step.append(time.thread_time())
                 opt.step()
                 opt.zero_grad()
         snap = patrol._report.snapshot()
@@ -71,6 +76,8 @@ def reported_ratio(tmp: Path, url: str, batches: DataLoader[Any], *, push_interv
             own.append(patrol._history.ratio("probe_seconds", "step_seconds"))
         if step_seconds is not None:
             step_seconds.append(patrol._history.mean("step_seconds"))
+        if step_cpu is not None:
+            step_cpu.append((cpu_at_step[-1] - cpu_at_step[0]) / (len(cpu_at_step) - 1))
     return float(next(s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_probe_overhead_ratio"))
 
 
@@ -93,11 +100,15 @@ def counted_share(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, tmp: P
                   batches: DataLoader[Any], fused: bool = False, timed_once: bool = False) -> tuple[float, float]:
     """(the self-report, the share of step time the slowed part took over Patrol's window), with the part slowed;
     both scale alike with the machine's load. ``timed_once``: Patrol times the part once and counts that every step,
-    so its share is the CPU it burns each step, which the machine's load does not stretch as it does a wall time."""
+    so its share is the CPU it burns each step over the step's wall time, the least that one timing can read.
+    Asserts that the slowed part is a tenth or more of the training thread's CPU a step, which load does not
+    change, so that a ratio left without it cannot pass."""
     took: list[float] = []
     slowed(monkeypatch, owner, name, took=took)
     step: list[float] = []
-    ratio = reported_ratio(tmp, url, batches, step_seconds=step, fused=fused)
+    cpu: list[float] = []
+    ratio = reported_ratio(tmp, url, batches, step_seconds=step, step_cpu=cpu, fused=fused)
+    assert SLOW / cpu[0] > 0.1, cpu
     return ratio, (SLOW if timed_once else sum(took[-32:]) / 32) / step[0]
 
 
@@ -109,7 +120,7 @@ def test_a_slow_step_raises_the_ratio_from_its_first_line(tmp_path: Path, agent_
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # the burn comes before the recorder's first line: step() times itself from its own first line
     ratio, share = counted_share(monkeypatch, StepRecorder, "record", tmp_path, agent_url, batches)
-    assert ratio > 0.6 * share > 0.06, (ratio, share)
+    assert ratio > 0.6 * share, (ratio, share)
 
 
 def test_slow_optimizer_hooks_raise_the_ratio(tmp_path: Path, agent_url: str, batches: DataLoader[Any],
@@ -117,7 +128,7 @@ def test_slow_optimizer_hooks_raise_the_ratio(tmp_path: Path, agent_url: str, ba
     # the pre-hook of every optimizer.step() calls decide(): about 0.4 of the step on an idle machine, where a
     # ratio that left the hooks out reads 0.03
     ratio, share = counted_share(monkeypatch, UpdateHooks, "decide", tmp_path, agent_url, batches)
-    assert ratio > 0.6 * share > 0.06, (ratio, share)
+    assert ratio > 0.6 * share, (ratio, share)
 
 
 def test_what_a_fused_optimizer_spends_on_the_non_finite_flag_raises_the_ratio(
@@ -126,14 +137,14 @@ def test_what_a_fused_optimizer_spends_on_the_non_finite_flag_raises_the_ratio(
     # Patrol's code: made slow, the job pays for it every step, and the ratio says so
     ratio, share = counted_share(monkeypatch, torch, "_foreach_sub_", tmp_path, agent_url, batches, fused=True,
                                  timed_once=True)
-    assert ratio > 0.6 * share > 0.06, (ratio, share)
+    assert ratio > 0.6 * share, (ratio, share)
 
 
 def test_a_slow_loader_wrapper_raises_the_ratio(tmp_path: Path, agent_url: str, batches: DataLoader[Any],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # the wrapper hands each fetch's start and end to it
     ratio, share = counted_share(monkeypatch, StepRecorder, "fetched", tmp_path, agent_url, batches)
-    assert ratio > 0.6 * share > 0.06, (ratio, share)
+    assert ratio > 0.6 * share, (ratio, share)
 
 
 def test_a_slow_compute_clock_raises_the_ratio(tmp_path: Path, agent_url: str, batches: DataLoader[Any],
@@ -142,7 +153,7 @@ def test_a_slow_compute_clock_raises_the_ratio(tmp_path: Path, agent_url: str, b
     # every step is timed
     monkeypatch.setattr(compute_clock, "GAP_SECONDS", 0.0)
     ratio, share = counted_share(monkeypatch, compute_clock.ComputeClock, "_begin", tmp_path, agent_url, batches)
-    assert ratio > 0.6 * share > 0.06, (ratio, share)
+    assert ratio > 0.6 * share, (ratio, share)
 
 
 def test_a_slow_publisher_raises_the_ratio_by_its_cpu_share(tmp_path: Path, agent_url: str,
