@@ -26,6 +26,8 @@ STEP_WORK = 0.001
 """The training step's own CPU work, besides the tiny model."""
 SLOW = 0.002
 """What a slowed part burns each time it runs."""
+WINDOW = 32
+"""Patrol's window of steps, over which its ratio and the test's shares are taken."""
 
 
 def burn(seconds: float) -> None:
@@ -57,12 +59,12 @@ def reported_ratio(tmp: Path, url: str, batches: DataLoader[Any], *, push_interv
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     cfg = PatrolConfig(run="self-report", agent_url=url, embedded_agent=False, checkpoint_dir=str(tmp / "ckpt"),
-                       evidence_dir=str(tmp / "evidence"), window=32, guard_actions={},
+                       evidence_dir=str(tmp / "evidence"), window=WINDOW, guard_actions={},
                        push_interval_seconds=push_interval)
-    cpu_at_step: deque[float] = deque(maxlen=33)
+    cpu_at_step: deque[float] = deque(maxlen=WINDOW + 1)
     with Patrol(model=model, optimizer=opt, config=cfg) as patrol:
         start = time.monotonic()
-        while patrol.step_count < 40 or time.monotonic() - start < min_seconds:
+        while patrol.step_count < WINDOW + 8 or time.monotonic() - start < min_seconds:
             for (xb,) in patrol.loader(batches):
                 loss = model(xb).pow(2).mean()
                 loss.backward()
@@ -77,7 +79,7 @@ def reported_ratio(tmp: Path, url: str, batches: DataLoader[Any], *, push_interv
         if step_seconds is not None:
             step_seconds.append(patrol._history.mean("step_seconds"))
         if step_cpu is not None:
-            step_cpu.append((cpu_at_step[-1] - cpu_at_step[0]) / (len(cpu_at_step) - 1))
+            step_cpu.append((cpu_at_step[-1] - cpu_at_step[0]) / WINDOW)
     return float(next(s["value"] for s in snap["samples"] if s["name"] == "trainpatrol_probe_overhead_ratio"))
 
 
@@ -109,7 +111,7 @@ def counted_share(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, tmp: P
     cpu: list[float] = []
     ratio = reported_ratio(tmp, url, batches, step_seconds=step, step_cpu=cpu, fused=fused)
     assert SLOW / cpu[0] > 0.1, cpu
-    return ratio, (SLOW if timed_once else sum(took[-32:]) / 32) / step[0]
+    return ratio, (SLOW if timed_once else sum(took[-WINDOW:]) / WINDOW) / step[0]
 
 
 def test_a_quick_patrol_reports_a_small_ratio(tmp_path: Path, agent_url: str, batches: DataLoader[Any]) -> None:
