@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import device_values as dv
+from .flag_cost import FlagCost
 
 log = logging.getLogger("trainpatrol")
 _ABSENT = object()
@@ -45,33 +46,6 @@ def skip_mode(optimizer: torch.optim.Optimizer) -> str:
     return "off"
 
 
-def flag_cost(params: list[torch.Tensor], repeats: int = 5) -> float:
-    """Host seconds a fused torch optimizer spends on a ``found_inf`` flag each step: it subtracts the flag from
-    every step count, one ``_foreach_sub_`` per device and dtype. The job pays that for Patrol's skip, outside
-    Patrol's code, so it is timed once on stand-ins of the same count (no sync) and counted every step."""
-    counts: dict[tuple[torch.device, torch.dtype], int] = {}
-    for p in params:
-        if p.grad is not None:  # torch steps only the parameters that have a gradient
-            counts[p.device, p.dtype] = counts.get((p.device, p.dtype), 0) + 1
-    total = 0.0
-    for (device, _), n in counts.items():
-        # separate tensors, as the step counts are: over views of one tensor the subtraction takes longer
-        steps = [torch.zeros((), device=device) for _ in range(n)]
-        total += subtraction_seconds(steps, torch.zeros((), device=device), repeats)
-    return total
-
-
-def subtraction_seconds(steps: list[torch.Tensor], flag: torch.Tensor, repeats: int) -> float:
-    """Median host seconds of the subtraction of ``flag`` from ``steps`` that torch runs when handed the flag."""
-    torch._foreach_sub_(steps, [flag] * len(steps))  # once untimed: the first call sets the op up
-    took = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch._foreach_sub_(steps, [flag] * len(steps))
-        took.append(time.perf_counter() - start)
-    return sorted(took)[repeats // 2]
-
-
 class UpdateHooks:
     """Step pre- and post-hooks on ``optimizer``; ``judge`` hands over the closing step's verdict."""
 
@@ -93,8 +67,8 @@ class UpdateHooks:
         self._saved_found_inf: Any = _ABSENT
         self._set_found_inf = False
         self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._torch_seconds: float | None = None
-        """What torch's fused step adds on the host when handed the flag (``flag_cost``), once timed."""
+        self.flag_cost = FlagCost()
+        """What torch's fused step adds on the host when handed the flag, timed in the loop."""
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
                          self.optimizer.register_step_post_hook(self._post)]
 
@@ -147,13 +121,7 @@ class UpdateHooks:
             params = self._params()
             skip = torch.full((), float(skip), dtype=torch.float32,
                               device=params[0].device if params else torch.device("cpu"))
-        if self._torch_seconds is None:
-            try:
-                self._torch_seconds = flag_cost(self._params())
-            except RuntimeError as exc:  # a device without the op: the self-report leaves it out, the step goes on
-                log.debug("trainpatrol: could not time the fused step's flag: %s", exc)
-                self._torch_seconds = 0.0
-        self._charge(self._torch_seconds)
+        self._charge(self.flag_cost.sample(self._params, time.perf_counter()))
         existing = getattr(optimizer, "found_inf", None)
         if not self._set_found_inf:
             self._saved_found_inf = getattr(optimizer, "found_inf", _ABSENT)
