@@ -52,7 +52,7 @@ def in_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, seq: int, device
     """The optimizer step's host time in the training loop, plain and with the flag, and FlagCost's samples."""
     flag = torch.zeros((), device=device)
     cost = FlagCost(interval=0.0)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     tokens = torch.randint(0, 50257, (16, 8, seq + 1), device=device)
     took: dict[str, list[float]] = {"plain": [], "flag": []}
     samples: list[float] = []

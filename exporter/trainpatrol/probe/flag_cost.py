@@ -2,10 +2,10 @@
 
 Handed ``found_inf``, a fused torch optimizer moves the flag to each device and subtracts it from every step count
 after its update: one ``_foreach_sub_`` per device and dtype, inside ``optimizer.step()``, outside Patrol's code.
-The job pays that for the skip on every step, so the self-report counts it. It is timed in the loop, from the
-optimizer's pre-hook, on stand-ins of the same count and device: one call about once a second, after a forward and
-backward as torch's own call is (the same call timed back to back, warm, takes about half as long). The estimate
-is the median of the recent samples, so it follows the host as it speeds up or slows down.
+The job pays that for the skip on every step, so the self-report counts it. It is timed where torch's own call
+runs, in the loop after a forward and backward (timed warm, back to back, it reads about half: docs/benchmarks.md):
+from the optimizer's pre-hook, on stand-ins of the same count and device, one call about once a second. The
+estimate is the median of the recent samples, so it follows the host as it speeds up or slows down.
 """
 
 from __future__ import annotations
