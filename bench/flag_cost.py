@@ -1,16 +1,10 @@
-"""What handing a fused AdamW the ``found_inf`` flag adds to its step's host time, against Patrol's estimate.
+"""What handing a fused AdamW the ``found_inf`` flag adds to its step's host time, back to back (warm).
 
 Patrol's non-finite skip hands torch's fused optimizer a device flag; torch then spends host time on it (one
-``_foreach_sub_`` over the step counts) outside Patrol's code, and the self-report counts what
-``probe/flag_cost.py`` times in the loop on stand-ins. Per case:
-
-- **in the loop**: the README loop's body (forward in bf16 autocast, backward, ``clip_grad_norm_``, the optimizer
-  step), 600 steps in blocks of 20 that take turns: plain, handed the flag, and handed the flag with a
-  ``FlagCost`` sample taken just before the step (as the pre-hook takes it). Medians of the optimizer step's host
-  time plain and with the flag, and of the samples;
-- **back to back** (warm): the optimizer step alone with and without the flag, and the subtraction alone on three
-  kinds of stand-in;
-- the ops the flag adds to ten steps (``torch.profiler``).
+``_foreach_sub_`` over the step counts) outside Patrol's code. Per case: the optimizer step's host time with and
+without the flag (interleaved, median), the same subtraction timed on three kinds of stand-in, and the ops the flag
+adds to ten steps (``torch.profiler``). In the training loop the same work costs more, and what Patrol counts for it
+(``probe/flag_cost.py``) is taken there: ``bench/optimizer_step.py`` compares the two.
 
     python bench/flag_cost.py [CASE ...]        # CUDA only; cases: gpt-5ms, gpt-10ms, gpt2-124m
 """
@@ -29,10 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
-import torch.nn.functional as F
 from overhead import GPT
-
-from trainpatrol.probe.flag_cost import FlagCost
 
 SHAPES = {"gpt-5ms": (2, 256, 4, 128), "gpt-10ms": (4, 512, 8, 256), "gpt2-124m": (12, 768, 12, 1024)}
 
@@ -46,38 +37,6 @@ def subtract_us(steps: list[torch.Tensor], flag: torch.Tensor) -> float:
         torch._foreach_sub_(steps, [flag] * len(steps))
         took.append(time.perf_counter() - start)
     return statistics.median(took) * 1e6
-
-
-def in_loop(model: torch.nn.Module, opt: torch.optim.Optimizer, seq: int, device: torch.device) -> dict[str, float]:
-    """The optimizer step's host time in the training loop, plain and with the flag, and FlagCost's samples."""
-    flag = torch.zeros((), device=device)
-    cost = FlagCost(interval=0.0)
-    params = list(model.parameters())
-    tokens = torch.randint(0, 50257, (16, 8, seq + 1), device=device)
-    took: dict[str, list[float]] = {"plain": [], "flag": []}
-    samples: list[float] = []
-    for i in range(600):
-        kind = ("plain", "flag", "sampled")[i // 20 % 3]
-        batch = tokens[i % 16]
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(batch[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.found_inf = None if kind == "plain" else flag  # type: ignore[attr-defined]
-        if kind == "sampled":
-            cost.sample(lambda: params, time.perf_counter())
-            samples.append(cost.last)
-        start = time.perf_counter()
-        opt.step()
-        if kind != "sampled" and i % 20 >= 2:  # the first two steps of a block settle after the switch
-            took[kind].append(time.perf_counter() - start)
-        opt.zero_grad(set_to_none=True)
-    opt.found_inf = None  # type: ignore[attr-defined]
-    torch.cuda.synchronize()
-    plain, flagged = (statistics.median(took[k]) * 1e6 for k in ("plain", "flag"))
-    return {"step_us_plain": plain, "step_us_flag": flagged, "step_added_us": flagged - plain,
-            "flag_cost_sampled_us": statistics.median(samples) * 1e6,
-            "flag_cost_sampled_us_quartiles": [q * 1e6 for q in statistics.quantiles(samples, n=4)]}
 
 
 def case(layers: int, dim: int, heads: int, seq: int, device: torch.device) -> dict[str, object]:
@@ -102,9 +61,7 @@ def case(layers: int, dim: int, heads: int, seq: int, device: torch.device) -> d
     counts = [opt.state[p]["step"] for p in params]
     step_plain, step_flag = statistics.median(plain) * 1e6, statistics.median(flagged) * 1e6
     result: dict[str, object] = {
-        "params": n, "in_loop": in_loop(model, opt, seq, device),
-        "back_to_back": {"step_us_plain": step_plain, "step_us_flag": step_flag,
-                         "step_added_us": step_flag - step_plain},
+        "params": n, "step_us_plain": step_plain, "step_us_flag": step_flag, "step_added_us": step_flag - step_plain,
         "sub_views_us": subtract_us(list(torch.zeros(n, device=device).unbind()), flag),
         "sub_separate_us": subtract_us([torch.zeros((), device=device) for _ in range(n)], flag),
         "sub_real_clones_us": subtract_us([c.clone() for c in counts], flag),

@@ -1,7 +1,7 @@
 """What ``optimizer.step()`` costs on the host in the training loop, with each part of Patrol's non-finite skip.
 
-The gpt-5ms model of ``bench/overhead.py`` with its tokens on the device, the README loop's body (forward in bf16
-autocast, backward, ``clip_grad_norm_``, then the variant's own work, a timed fused AdamW step, ``zero_grad``).
+A case of ``bench/overhead.py`` with its batches on the device, the README loop's body (its loss in bf16 autocast,
+backward, ``clip_grad_norm_``, then the variant's own work, a timed fused AdamW step, ``zero_grad``).
 The variants take turns in blocks of 40 steps (the first 5 of a block untimed), each block in a rotated order:
 
 - ``bare`` and ``bare_again``: the loop alone (their difference is the noise floor);
@@ -15,7 +15,7 @@ Reported per variant: the medians of the optimizer step's host time, of the step
 thread's CPU a step; for ``patrol`` also its self-report, its estimate of torch's work on the flag
 (``probe/flag_cost.py``) and the CPU a step it adds over ``bare``.
 
-    python bench/optimizer_step.py [--blocks 30] [--device cuda|cpu]
+    python bench/optimizer_step.py [--case gpt-5ms] [--blocks 30] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
 
-from overhead import GPT, self_reported
+from overhead import CASES, Case, _loss, self_reported
 
 from trainpatrol import Patrol, PatrolConfig
 
@@ -44,22 +43,21 @@ BLOCK, SETTLE = 40, 5
 
 
 class Loop:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, case: Case, device: torch.device) -> None:
         torch.manual_seed(0)
-        self.device = device
-        self.model = GPT(2, 256, 4, seq=128).to(device)
+        self.case, self.device = case, device
+        self.model = case.build().to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        self.data = torch.randint(0, 50257, (64, 8, 129), device=device)
+        tensors, b = case.data(16 * case.batch).tensors, case.batch
+        self.data = [[t[k * b:(k + 1) * b].to(device) for t in tensors] for k in range(16)]
         self.flags = torch.zeros(16, device=device)
         self.views = list(self.flags.unbind())
         self.flag = torch.zeros((), device=device)
         self.one = torch.ones((), device=device)
         self.steps = 0
 
-    def loss(self, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            logits = self.model(seq[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten())
+    def loss(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = _loss(self.model, self.case, batch, self.device)
         loss.backward()
         return loss, torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
 
@@ -68,14 +66,14 @@ class Loop:
         opt = self.opt
         hooks = [opt.register_step_pre_hook(lambda *a: None), opt.register_step_post_hook(lambda *a: None)] \
             if variant == "noop_hooks" else []
-        batches = [self.data[(self.steps + k) % 64] for k in range(BLOCK)]
-        source: Iterable[torch.Tensor] = patrol.loader(batches) if patrol is not None else batches
+        batches = [self.data[(self.steps + k) % len(self.data)] for k in range(BLOCK)]
+        source: Iterable[list[torch.Tensor]] = patrol.loader(batches) if patrol is not None else batches
         out = []
         wall, cpu = time.perf_counter(), time.thread_time()
-        for seq in source:
+        for batch in source:
             i = self.steps
             self.steps += 1
-            loss, total = self.loss(seq)
+            loss, total = self.loss(batch)
             if variant == "flag":
                 opt.found_inf = self.flag  # type: ignore[attr-defined]
             elif variant in ("flag_view", "check_and_flag"):
@@ -86,7 +84,8 @@ class Loop:
                     torch._amp_foreach_non_finite_check_and_unscale_([loss.detach(), total.detach()], flag, self.one)
                 opt.found_inf = flag  # type: ignore[attr-defined]
             elif patrol is not None:
-                patrol.step(loss, grad_norm=total, batch_size=8, tokens=8 * 128)
+                n = self.case.batch
+                patrol.step(loss, grad_norm=total, batch_size=n, tokens=n * self.case.tokens or None)
             start = time.perf_counter()
             opt.step()
             took = time.perf_counter() - start
@@ -103,14 +102,15 @@ class Loop:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=sorted(CASES), default="gpt-5ms")
     ap.add_argument("--blocks", type=int, default=30)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     args = ap.parse_args()
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    loop = Loop(device)
+    loop = Loop(CASES[args.case], device)
     for k in range(60):
-        loop.loss(loop.data[k % 64])
+        loop.loss(loop.data[k % len(loop.data)])
         loop.opt.step()
         loop.opt.zero_grad(set_to_none=True)
     sync()
@@ -136,7 +136,7 @@ def main() -> None:
         return round(statistics.median(t[field] for t in timed[v]) * 1e6, 1)
 
     out: dict[str, Any] = {
-        "benchmark": "optimizer_step", "torch": torch.__version__,
+        "benchmark": "optimizer_step", "case": args.case, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "blocks": args.blocks, "timed_steps_per_variant": len(timed["bare"]),
         "variants": {v: {"optimizer_step_us": us(v, 0), "step_us": us(v, 1), "step_cpu_us": us(v, 2)}

@@ -101,8 +101,9 @@ def slowed(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, when: Callabl
 def counted_share(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, tmp: Path, url: str,
                   batches: DataLoader[Any], fused: bool = False, timed_once: bool = False) -> tuple[float, float]:
     """(the self-report, the share of step time the slowed part took over Patrol's window), with the part slowed;
-    both scale alike with the machine's load. ``timed_once``: Patrol times the part once and counts that every step,
-    so its share is the CPU it burns each step over the step's wall time, the least that one timing can read.
+    both scale alike with the machine's load. ``timed_once``: Patrol times the part on a sample of steps (one
+    here) and counts that every step, so its share is the CPU it burns each step over the step's wall time, the least
+    that one timing can read.
     Asserts that the slowed part is a tenth or more of the training thread's CPU a step, which load does not
     change, so that a ratio left without it cannot pass."""
     took: list[float] = []
