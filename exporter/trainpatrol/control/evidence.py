@@ -3,7 +3,7 @@
 ``<evidence_dir>/<UTC time>-step<step>-<action>/`` holds ``manifest.json`` (rank 0),
 ``trigger.json`` (the alert or request), and per rank ``rank-00003/`` with ``history.json``,
 ``memory_stats.json``, ``memory_summary.txt``, ``memory_snapshot.pickle`` (when recording),
-``stacks.txt`` (all threads, via faulthandler), ``nvml.json``, ``versions.json`` and
+``stacks.txt`` (every Python thread, by name), ``nvml.json``, ``versions.json`` and
 ``config.json``. Each file is capped so a bundle stays small.
 
 Rank 0 also renders the bundle's report page, whose matplotlib timeline takes a second or more of Python: a
@@ -14,7 +14,6 @@ logged, never raised.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import platform
@@ -24,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -53,10 +53,18 @@ def _json(path: Path, value: Any) -> None:
 
 
 def all_stacks() -> str:
-    with tempfile.TemporaryFile(mode="w+") as f:
-        faulthandler.dump_traceback(file=f, all_threads=True)
-        f.seek(0)
-        return f.read()
+    """Every Python thread's stack, by name, read through the interpreter's own locked view of its threads.
+    ``faulthandler``'s dump is built for a crashing process and reads the thread list without that lock; a rank
+    once hung inside it while writing its pause evidence."""
+    current = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    blocks = []
+    for ident, frame in sys._current_frames().items():
+        head = "Current thread" if ident == current else "Thread"
+        name = names.get(ident, "(not started by threading)")
+        blocks.append(f"{head} 0x{ident:016x} \"{name}\" "
+                      f"(most recent call last):\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(blocks)
 
 
 def fetch_nvml(agent_url: str, token: str) -> Any:
