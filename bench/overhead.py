@@ -13,7 +13,9 @@ takes its pushes.
 Reported per case: step time, the paired median overhead (each repetition's variants ran back to back)
 with a bootstrap 95 % interval and the quartiles of the pairs, each repetition's step times, the training
 thread's CPU time per step (``time.thread_time``: robust on a noisy host) and what Patrol adds to it, in
-kernel launches of this host (the floor, measured here), the publisher thread's CPU per second, Patrol's own
+kernel launches of this host (the floor, measured here), every thread's CPU per step by role (on Linux: the
+training thread, torch's autograd thread that runs a CUDA backward, the DataLoader's pinning thread, Patrol's
+publisher), the publisher thread's CPU per second, Patrol's own
 ``trainpatrol_probe_overhead_ratio`` against the measured overhead, and one instrumented epoch that splits
 Patrol's host time per step by part.
 
@@ -43,7 +45,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +160,31 @@ def _thread_cpu(thread: threading.Thread | None) -> float:
         return math.nan
 
 
+def _threads_cpu_ns() -> dict[int, tuple[str, int]]:
+    """Every thread of this process: thread id -> (name, nanoseconds on a CPU), from ``/proc`` (Linux; {} elsewhere).
+    Torch's autograd engine runs a CUDA backward on a thread of its own, and the DataLoader pins on another."""
+    out: dict[int, tuple[str, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                on_cpu = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                out[int(tid)] = (f.read().strip(), on_cpu)
+        except (OSError, ValueError, IndexError):  # the thread ended
+            continue
+    return out
+
+
+def _thread_role(tid: int, name: str, named: dict[int | None, str]) -> str:
+    if tid in named:
+        return named[tid]
+    return "autograd" if name.startswith("pt_autograd") else "other"
+
+
 @dataclass
 class Epoch:
     step_s: float
@@ -169,6 +196,8 @@ class Epoch:
     """The share of Patrol's host time its self-report counts (the device ran out of queued work while Patrol ran)."""
     opt_step_s: float = math.nan
     """Host seconds per ``optimizer.step()`` call (instrumented epochs only)."""
+    threads_cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds per step of the process's threads by role: training, autograd, pin_memory, publisher, other."""
 
 
 def run_epoch(batches: Iterable[Any], model: nn.Module, opt: torch.optim.Optimizer, case: Case,
@@ -178,11 +207,13 @@ def run_epoch(batches: Iterable[Any], model: nn.Module, opt: torch.optim.Optimiz
     start = cpu = pub = 0.0
     publisher = patrol._publisher._thread if patrol is not None else None
     opt_s, steps = 0.0, 0
+    threads_before: dict[int, tuple[str, int]] = {}
     for i, batch in enumerate(batches):
         if i == warmup:
             _sync(device)
             timed_start()
             start, cpu, pub = time.perf_counter(), time.thread_time(), _thread_cpu(publisher)
+            threads_before = _threads_cpu_ns()
         loss = _loss(model, case, batch, device)
         loss.backward()
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -198,6 +229,14 @@ def run_epoch(batches: Iterable[Any], model: nn.Module, opt: torch.optim.Optimiz
     _sync(device)
     wall = time.perf_counter() - start
     out = Epoch(wall / steps, (time.thread_time() - cpu) / steps, (_thread_cpu(publisher) - pub) / wall)
+    pin = getattr(getattr(getattr(batches, "_loader", batches), "_iterator", None), "_pin_memory_thread", None)
+    named = {threading.main_thread().native_id: "training", getattr(publisher, "native_id", None): "publisher",
+             getattr(pin, "native_id", None): "pin_memory"}
+    by_role: dict[str, float] = defaultdict(float)
+    for tid, (name, on_cpu) in _threads_cpu_ns().items():
+        if tid in threads_before:
+            by_role[_thread_role(tid, name, named)] += (on_cpu - threads_before[tid][1]) / 1e9 / steps
+    out.threads_cpu_s = dict(by_role)
     if time_opt:
         out.opt_step_s = opt_s / steps
     return out
@@ -425,6 +464,7 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
     added_cpu_us = paired("patrol", "cpu_s", False) * 1e6
     measured = paired("patrol", "step_s", True)
     reported = 100 * statistics.median(e.self_reported for e in runs["patrol"])
+    roles = sorted({r for v in VARIANTS for e in runs[v] for r in e.threads_cpu_s})
     out: dict[str, Any] = {
         "case": case.name, "reps": reps, "steps_per_rep": steps, "warmup_steps": warmup,
         "step_ms": {v: round(statistics.median(e.step_s for e in runs[v]) * 1e3, 4) for v in VARIANTS},
@@ -436,6 +476,12 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
         "training_thread_cpu_us_per_step": {v: round(statistics.median(e.cpu_s for e in runs[v]) * 1e6, 1)
                                             for v in VARIANTS},
         "patrol_added_cpu_us_per_step_paired": round(added_cpu_us, 1),
+        "threads_cpu_us_per_step": {role: {v: round(statistics.median(e.threads_cpu_s.get(role, 0.0)
+                                                                      for e in runs[v]) * 1e6, 1) for v in VARIANTS}
+                                    for role in roles},
+        "threads_added_cpu_us_per_step_paired": {role: {v: round(statistics.median(
+            a.threads_cpu_s.get(role, 0.0) - b.threads_cpu_s.get(role, 0.0)
+            for a, b in zip(runs[v], runs["bare"], strict=True)) * 1e6, 1) for v in VARIANTS[1:]} for role in roles},
         "noise_added_cpu_us_per_step_paired": round(paired("bare_again", "cpu_s", False) * 1e6, 1),
         "kernel_launch_us" if device.type == "cuda" else "op_dispatch_us": round(floor, 2),
         "patrol_added_cpu_in_launches": round(added_cpu_us / floor, 1),
