@@ -465,6 +465,9 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
     measured = paired("patrol", "step_s", True)
     reported = 100 * statistics.median(e.self_reported for e in runs["patrol"])
     roles = sorted({r for v in VARIANTS for e in runs[v] for r in e.threads_cpu_s})
+
+    def role_us(e: Epoch, role: str) -> float:
+        return e.threads_cpu_s.get(role, 0.0) * 1e6
     out: dict[str, Any] = {
         "case": case.name, "reps": reps, "steps_per_rep": steps, "warmup_steps": warmup,
         "step_ms": {v: round(statistics.median(e.step_s for e in runs[v]) * 1e3, 4) for v in VARIANTS},
@@ -476,12 +479,11 @@ def bench_case(case: Case, device: torch.device, args: argparse.Namespace, agent
         "training_thread_cpu_us_per_step": {v: round(statistics.median(e.cpu_s for e in runs[v]) * 1e6, 1)
                                             for v in VARIANTS},
         "patrol_added_cpu_us_per_step_paired": round(added_cpu_us, 1),
-        "threads_cpu_us_per_step": {role: {v: round(statistics.median(e.threads_cpu_s.get(role, 0.0)
-                                                                      for e in runs[v]) * 1e6, 1) for v in VARIANTS}
-                                    for role in roles},
-        "threads_added_cpu_us_per_step_paired": {role: {v: round(statistics.median(
-            a.threads_cpu_s.get(role, 0.0) - b.threads_cpu_s.get(role, 0.0)
-            for a, b in zip(runs[v], runs["bare"], strict=True)) * 1e6, 1) for v in VARIANTS[1:]} for role in roles},
+        "threads_cpu_us_per_step": {r: {v: round(statistics.median(role_us(e, r) for e in runs[v]), 1)
+                                        for v in VARIANTS} for r in roles},
+        "threads_added_cpu_us_per_step_paired": {r: {v: round(statistics.median(
+            role_us(a, r) - role_us(b, r) for a, b in zip(runs[v], runs["bare"], strict=True)), 1)
+            for v in VARIANTS[1:]} for r in roles},
         "noise_added_cpu_us_per_step_paired": round(paired("bare_again", "cpu_s", False) * 1e6, 1),
         "kernel_launch_us" if device.type == "cuda" else "op_dispatch_us": round(floor, 2),
         "patrol_added_cpu_in_launches": round(added_cpu_us / floor, 1),

@@ -29,8 +29,6 @@ class FlagCost:
         self.interval = interval
         self.seconds = 0.0
         """The estimate: host seconds torch spends on the flag each step."""
-        self.last = math.nan
-        """The latest sample."""
         self._stand_ins: list[tuple[torch.device, list[torch.Tensor]]] | None = None
         self._flag: torch.Tensor | None = None
         self._samples: deque[float] = deque(maxlen=SAMPLES)
@@ -50,7 +48,6 @@ class FlagCost:
             log.debug("trainpatrol: could not time the fused step's flag: %s", exc)
             self._next_at = math.inf
             return self.seconds
-        self.last = took
         self._samples.append(took)
         self.seconds = statistics.median(self._samples)
         return self.seconds
