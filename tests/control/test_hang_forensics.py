@@ -3,7 +3,8 @@ blocks in its data loading while ranks 0, 1 and 3 wait for it in the gradient al
 its part of the stall bundle (stacks, phase) from Patrol's own thread, rank 0's stall.json names rank 2 and its
 phase, the agent serves each rank's stalled phase, and in a real Prometheus with the shipped rules (fast profile)
 TrainPatrolRankHung names rank 2 and is the only alert of the run; a run whose loader is slow but steady writes
-nothing and raises no stall alert."""
+nothing and raises no stall alert. A rank stuck writing an action's evidence is named the same way, in the part of
+the action it is in, while the others wait to agree on the outcome."""
 
 from __future__ import annotations
 
@@ -92,6 +93,39 @@ def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_re
             assert alerts_of_the_run(prom, since) == {"TrainPatrolRankHung": {("2", "data")}}
             output, _ = job.communicate(timeout=120)
             assert job.returncode == 0, output[-3000:]
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+
+
+def test_a_rank_stuck_writing_an_actions_evidence_is_named_while_the_others_wait_to_agree(tmp_path: Path) -> None:
+    """An action holds every rank at once, so the stall watch used to stand down while one ran: a rank whose write
+    hung (a stuck filesystem) held the others in the action's agreement until the process group timed out, and
+    nothing said which rank or where."""
+    with agent(tmp_path) as url:
+        job = torchrun(tmp_path, url, STEPS="30", CHECKPOINT_AT="5", EVIDENCE_HANG_RANK="1", HANG_SECONDS="25",
+                       ACTION_STALL_SECONDS="3")
+        seen: dict[int, int] = {}
+        try:
+            def all_stalled() -> bool:
+                seen.update(stalled_phases(url))
+                return len(seen) == 4 and all(seen.values())
+            wait_for(all_stalled, 90, interval=0.2, what="every rank reported stalled in the checkpoint action")
+            assert {r: PHASES[p] for r, p in seen.items()} == {0: "agreement", 1: "evidence", 2: "agreement",
+                                                               3: "agreement"}
+            found = wait_for(lambda: list((tmp_path / "evidence").glob("stall-step*-checkpoint/stall.json")), 30,
+                             what="the action's stall.json")
+            summary = json.loads(found[0].read_text())
+            assert summary["odd_ranks"] == [1] and summary["action"] == "checkpoint" and summary["phases"] == {
+                "0": "agreement", "1": "evidence", "2": "agreement", "3": "agreement"} and summary["no_part"] == []
+            part = found[0].parent / "rank-00001"
+            assert "history.json" in (part / "stacks.txt").read_text() or "_json" in (part / "stacks.txt").read_text()
+            wait_for(lambda: not any(stalled_phases(url).values()), 60, what="the run steps again")
+            output, _ = job.communicate(timeout=120)
+            assert job.returncode == 0, output[-3000:]
+            # the action itself went through once the write ended: its checkpoint is complete
+            assert list((tmp_path / "ckpt").glob("step-*/meta.json")), output[-3000:]
         finally:
             if job.poll() is None:
                 job.kill()

@@ -48,6 +48,14 @@ class RankFacts:
     """Whether a ``checkpoint`` action's state is written in the background (PatrolConfig.background_checkpoints)."""
 
 
+@dataclass(frozen=True)
+class InAction:
+    action: str
+    step: int
+    began: float
+    """``time.perf_counter()`` when the action began."""
+
+
 class Executor:
     def __init__(self, facts: RankFacts, *, checkpointer: ckpt.Checkpointer, coordinator: Coordinator,
                  commands: CommandBook, record: RunRecord, evidence: EvidenceWriter, training: ckpt.TrainingState,
@@ -68,6 +76,8 @@ class Executor:
         self._writer: threading.Thread | None = None
         self._reserved = not (facts.background_saves and facts.device.type == "cuda")  # nothing to pin ahead
         self._reserving: threading.Thread | None = None
+        self.in_action: InAction | None = None
+        """The action holding the training thread now, for the stall watch (an action holds every rank at once)."""
 
     def reserve_staging(self) -> None:
         """At a step boundary after the first optimizer step (its state exists then), with background saves on a
@@ -152,6 +162,13 @@ class Executor:
 
     # --- one action ---------------------------------------------------------------------------
     def _act(self, action: str, cid: int, agreed: Agreement, trigger: dict[str, Any]) -> bool:
+        self.in_action = InAction(action, agreed.step, time.perf_counter())
+        try:
+            return self._carry_out(action, cid, agreed, trigger)
+        finally:
+            self.in_action = None
+
+    def _carry_out(self, action: str, cid: int, agreed: Agreement, trigger: dict[str, Any]) -> bool:
         f, record, step = self.facts, self.record, agreed.step
         record.state = {"pause": "pausing", "stop": "stopping"}.get(action, record.state)
         detail, path, ok = "", "", True

@@ -91,6 +91,11 @@ class PatrolConfig:
     step time if longer, is stalled: Patrol's publisher thread captures it (stacks, the phase it is stuck in)
     into ``<evidence_dir>/stall-step<N>/`` and exports the phase (``trainpatrol_rank_stalled_phase``)."""
     stall_step_multiple: float = 10.0
+    action_stall_seconds: float = 600.0
+    """An action (a checkpoint, a pause, a stop, a capture) that has held the training thread this long, or four
+    times the last checkpoint's write if longer, is stalled: captured the same way, in
+    ``<evidence_dir>/stall-step<N>-<action>/``, with the part of the action it is stuck in (writing the checkpoint,
+    writing evidence, waiting for the other ranks to agree)."""
     checkpoint_format: str = "auto"
     """``torch``: the model and optimizer state, whole, in one file that rank 0 writes (replicated state:
     DDP, one process). ``dcp``: every rank writes its shards through torch.distributed.checkpoint. ``auto``:
@@ -134,9 +139,10 @@ class PatrolConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 <= value < float("inf")):
                 raise ValueError(f"`PatrolConfig({name}={value!r})` must be a finite number >= 0.")
-        if not (self.stall_seconds > 0 and self.stall_step_multiple > 0):
+        if not (self.stall_seconds > 0 and self.stall_step_multiple > 0 and self.action_stall_seconds > 0):
             raise ValueError(f"`PatrolConfig(stall_seconds={self.stall_seconds!r}, stall_step_multiple="
-                             f"{self.stall_step_multiple!r})` must be > 0.")
+                             f"{self.stall_step_multiple!r}, action_stall_seconds={self.action_stall_seconds!r})` "
+                             "must be > 0.")
         if self.checkpoint_format not in ("auto", "dcp", "torch"):
             raise ValueError(f"`PatrolConfig(checkpoint_format={self.checkpoint_format!r})`: expected 'auto', 'dcp' "
                              "or 'torch'.")

@@ -165,7 +165,9 @@ class Patrol:
         self._report.stall_watch = StallWatch(
             self._recorder, self._record, self._commands, self._evidence, cfg.evidence_dir, identity.rank,
             identity.world_size,
-            multiple=cfg.stall_step_multiple, floor_seconds=cfg.stall_seconds, acting=lambda: control.acting)
+            multiple=cfg.stall_step_multiple, floor_seconds=cfg.stall_seconds,
+            action_floor_seconds=cfg.action_stall_seconds, acting=lambda: control.acting,
+            in_action=lambda: control.executor.in_action)
         self._time_compute(model)
         if self._device.type == "cuda":
             self._report.device_name = torch.cuda.get_device_name(self._device)
