@@ -37,6 +37,18 @@ def stalled_phases(url: str) -> dict[int, int]:
     return out
 
 
+def every_rank_stalled(url: str, within: float) -> dict[int, str]:
+    """Each rank's stalled phase, by name, once all four ranks have been seen stalled."""
+    seen: dict[int, int] = {}
+
+    def all_stalled() -> bool:
+        seen.update(stalled_phases(url))
+        return len(seen) == 4 and all(seen.values())
+
+    wait_for(all_stalled, within, interval=0.2, what="every rank reported stalled")
+    return {r: PHASES[p] for r, p in seen.items()}
+
+
 def alerts_of_the_run(prom: str, since: float) -> dict[str, set[tuple[str, str]]]:
     """Every alert of run "hang" that was pending or firing since ``since``: its (rank, phase) pairs by name."""
     window = f"{int(time.time() - since) + 2}s"
@@ -55,14 +67,8 @@ def test_rank_2_blocked_in_its_data_is_named_while_the_others_wait_in_the_all_re
         # reads as stragglers (at 30 ms a loaded runner once put healthy rank 0 past its 1.2)
         job = torchrun(tmp_path, url, STEPS="40", HANG_RANK="2", HANG_AT="30", HANG_SECONDS="30",
                        FORWARD_SECONDS="0.1")
-        seen: dict[int, int] = {}
         try:
-            def all_stalled() -> bool:
-                seen.update(stalled_phases(url))
-                return len(seen) == 4 and all(seen.values())
-            wait_for(all_stalled, 150, interval=0.2, what="every rank reported stalled")
-            assert {r: PHASES[p] for r, p in seen.items()} == {0: "backward", 1: "backward", 2: "data",
-                                                               3: "backward"}
+            assert every_rank_stalled(url, 150) == {0: "backward", 1: "backward", 2: "data", 3: "backward"}
             summary_file = tmp_path / "evidence" / "stall-step00000030" / "stall.json"
             wait_for(summary_file.is_file, 30, what="stall.json")
             summary = json.loads(summary_file.read_text())
@@ -106,14 +112,8 @@ def test_a_rank_stuck_writing_an_actions_evidence_is_named_while_the_others_wait
     with agent(tmp_path) as url:
         job = torchrun(tmp_path, url, STEPS="30", CHECKPOINT_AT="5", EVIDENCE_HANG_RANK="1", HANG_SECONDS="25",
                        ACTION_STALL_SECONDS="3")
-        seen: dict[int, int] = {}
         try:
-            def all_stalled() -> bool:
-                seen.update(stalled_phases(url))
-                return len(seen) == 4 and all(seen.values())
-            wait_for(all_stalled, 90, interval=0.2, what="every rank reported stalled in the checkpoint action")
-            assert {r: PHASES[p] for r, p in seen.items()} == {0: "agreement", 1: "evidence", 2: "agreement",
-                                                               3: "agreement"}
+            assert every_rank_stalled(url, 90) == {0: "agreement", 1: "evidence", 2: "agreement", 3: "agreement"}
             found = wait_for(lambda: list((tmp_path / "evidence").glob("stall-step*-checkpoint/stall.json")), 30,
                              what="the action's stall.json")
             summary = json.loads(found[0].read_text())
