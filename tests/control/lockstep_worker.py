@@ -3,7 +3,7 @@ DataLoader. HANG_RANK blocks in its data loading at step HANG_AT for HANG_SECOND
 the gradient all-reduce; SLOW_LOADER makes every rank's loader slow but steady; FORWARD_SECONDS is each
 rank's forward time, SLOW_RANK's 30 % longer. CHECKPOINT_AT: rank 0 asks for a checkpoint after that step, and
 EVIDENCE_HANG_RANK's write of that action's evidence takes HANG_SECONDS (a stuck filesystem) while the other ranks
-wait for it to agree on the outcome; ACTION_STALL_SECONDS is then ``PatrolConfig.action_stall_seconds``."""
+wait for it to agree on the outcome; ACTION_STALL_SECONDS is ``PatrolConfig.action_stall_seconds``."""
 
 from __future__ import annotations
 
@@ -54,8 +54,6 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     if rank == int(os.environ.get("EVIDENCE_HANG_RANK", "-1")):
         stall_evidence_writes(float(os.environ["HANG_SECONDS"]))
-    action_stall = {"action_stall_seconds": float(os.environ["ACTION_STALL_SECONDS"])} \
-        if "ACTION_STALL_SECONDS" in os.environ else {}
     out = Path(os.environ["OUT"])
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -65,7 +63,8 @@ def main() -> None:
     patrol = Patrol(model=model, optimizer=opt, config=PatrolConfig(
         run=os.environ.get("RUN", "hang"), agent_url=os.environ["AGENT_URL"], embedded_agent=False,
         checkpoint_dir=str(out / "ckpt"), evidence_dir=str(out / "evidence"), push_interval_seconds=0.2,
-        stall_seconds=3.0, guard_actions={}, **action_stall))
+        stall_seconds=3.0, guard_actions={},
+        action_stall_seconds=float(os.environ.get("ACTION_STALL_SECONDS", "600"))))
     loader = DataLoader(Batches(rank), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
     forward = float(os.environ.get("FORWARD_SECONDS", "0")) * (1.3 if rank == int(os.environ.get("SLOW_RANK", "-1"))
                                                                 else 1.0)
