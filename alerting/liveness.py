@@ -57,10 +57,11 @@ def group(cfg: Config) -> Group:
         Alert(
             "RankHung", RANK_ODD, "critical",
             "A rank is stuck where the other ranks of its run are not.",
-            f"Rank {RANK} of run {RUN} on {INSTANCE} has not reached a step boundary for longer than Patrol's "
-            "stall time and is stuck in {{ $labels.phase }}, while most stalled ranks of the run are elsewhere "
-            "(waiting for it). Each stalled rank wrote its stacks to <evidence_dir>/stall-step<N>/; stall.json "
-            "there names the odd ranks. A hung collective cannot be paused: see the runbook.",
+            f"Rank {RANK} of run {RUN} on {INSTANCE} has been stuck longer than Patrol's stall time (without a "
+            "step boundary, or inside an action such as a checkpoint) in {{ $labels.phase }}, while most stalled "
+            "ranks of the run are elsewhere (waiting for it). Each stalled rank wrote its stacks to "
+            "<evidence_dir>/stall-step<N>/ (stall-step<N>-<action>/ inside an action); stall.json there names the "
+            "odd ranks. A hung collective cannot be paused: see the runbook.",
         ),
         Alert(
             "RankStalled", stalled, "critical",

@@ -64,7 +64,8 @@ RANK_STALLED = "run_rank:trainpatrol_rank_stalled_phase:stalled"
 RANK_ODD = "run_rank:trainpatrol_rank_stalled_phase:odd"
 """The stalled ranks stuck in another phase than most stalled ranks of their run (label ``phase``, its name; the
 value: how many stalled ranks share that phase): in a lock-step job the others wait for them."""
-STALL_PHASES = ("", "data", "forward", "backward", "optimizer", "collective", "boundary")
+STALL_PHASES = ("", "data", "forward", "backward", "optimizer", "collective", "boundary", "checkpoint", "evidence",
+                "agreement")
 """``trainpatrol_rank_stalled_phase``'s encoding (trainpatrol.probe.stall_watch.PHASES)."""
 """1 for each rank that is pausing, paused, stopping, stopped or closed, or down (``rank_up`` 0)."""
 

@@ -87,6 +87,17 @@ def _generate(*args: str) -> subprocess.CompletedProcess[str]:
     return _run(sys.executable, str(ALERTING / "generate.py"), *args)
 
 
+def test_the_rules_name_every_phase_the_stall_watch_exports() -> None:
+    from trainpatrol.probe.stall_watch import PHASES
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        promql = importlib.import_module("alerting.promql")
+    finally:
+        sys.path.remove(str(ROOT))
+    assert promql.STALL_PHASES == PHASES
+
+
 def test_rules_yml_is_generated_and_current(tmp_path: Path) -> None:
     out = tmp_path / "rules.yml"
     result = _generate("--out", str(out))

@@ -109,11 +109,14 @@ def test_a_rank_stuck_writing_an_actions_evidence_is_named_while_the_others_wait
     """An action holds every rank at once, so the stall watch used to stand down while one ran: a rank whose write
     hung (a stuck filesystem) held the others in the action's agreement until the process group timed out, and
     nothing said which rank or where."""
-    with agent(tmp_path) as url:
+    with agent(tmp_path) as url, prometheus(tmp_path, [url.removeprefix("http://")], [RULES]) as prom:
+        since = time.time()
         job = torchrun(tmp_path, url, STEPS="30", CHECKPOINT_AT="5", EVIDENCE_HANG_RANK="1", HANG_SECONDS="25",
                        ACTION_STALL_SECONDS="3")
         try:
             assert every_rank_stalled(url, 90) == {0: "agreement", 1: "evidence", 2: "agreement", 3: "agreement"}
+            hung = 'ALERTS{alertname="TrainPatrolRankHung",alertstate="firing",run="hang"}'
+            wait_for(lambda: query(prom, hung), 20, interval=0.5, what="TrainPatrolRankHung firing")
             found = wait_for(lambda: list((tmp_path / "evidence").glob("stall-step*-checkpoint/stall.json")), 30,
                              what="the action's stall.json")
             summary = json.loads(found[0].read_text())
@@ -122,6 +125,7 @@ def test_a_rank_stuck_writing_an_actions_evidence_is_named_while_the_others_wait
             part = found[0].parent / "rank-00001"
             assert "history.json" in (part / "stacks.txt").read_text() or "_json" in (part / "stacks.txt").read_text()
             wait_for(lambda: not any(stalled_phases(url).values()), 60, what="the run steps again")
+            assert alerts_of_the_run(prom, since).get("TrainPatrolRankHung") == {("1", "evidence")}
             output, _ = job.communicate(timeout=120)
             assert job.returncode == 0, output[-3000:]
             # the action itself went through once the write ended: its checkpoint is complete
