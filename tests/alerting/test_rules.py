@@ -87,15 +87,19 @@ def _generate(*args: str) -> subprocess.CompletedProcess[str]:
     return _run(sys.executable, str(ALERTING / "generate.py"), *args)
 
 
+def _alerting(module: str) -> Any:
+    """``alerting.<module>``, imported from the repository root (``alerting`` is not an installed package)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        return importlib.import_module(f"alerting.{module}")
+    finally:
+        sys.path.remove(str(ROOT))
+
+
 def test_the_rules_name_every_phase_the_stall_watch_exports() -> None:
     from trainpatrol.probe.stall_watch import PHASES
 
-    sys.path.insert(0, str(ROOT))
-    try:
-        promql = importlib.import_module("alerting.promql")
-    finally:
-        sys.path.remove(str(ROOT))
-    assert promql.STALL_PHASES == PHASES
+    assert _alerting("promql").STALL_PHASES == PHASES
 
 
 def test_rules_yml_is_generated_and_current(tmp_path: Path) -> None:
@@ -143,12 +147,7 @@ def test_dcgm_rules_read_no_nvml_series_and_ship_the_same_alerts() -> None:
 
 
 def _render_with(**overrides: Any) -> str:
-    sys.path.insert(0, str(ROOT))
-    try:
-        config = importlib.import_module("alerting.config")
-        generate = importlib.import_module("alerting.generate")
-    finally:
-        sys.path.remove(str(ROOT))
+    config, generate = _alerting("config"), _alerting("generate")
     text: str = generate.render(dataclasses.replace(config.DEFAULT, **overrides))
     return text
 
@@ -592,11 +591,7 @@ def test_no_rule_yields_nan_or_inf_when_a_denominator_is_zero(tmp_path: Path, ca
 
 
 def test_config_errors_quote_key_and_value() -> None:
-    sys.path.insert(0, str(ROOT))
-    try:
-        config = importlib.import_module("alerting.config")
-    finally:
-        sys.path.remove(str(ROOT))
+    config = _alerting("config")
     bad = config.Config(nonfinite_window="5 minutes")
     with pytest.raises(ValueError, match="'nonfinite_window' has value '5 minutes'"):
         bad.validate()
