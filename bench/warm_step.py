@@ -15,11 +15,18 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exporter"))
+
+from overhead import launch_us
 
 from trainpatrol import Patrol, PatrolConfig
 
@@ -65,20 +72,16 @@ def main() -> None:
         for hook in post:
             hook(opt, (), {})
 
-    def launch() -> None:
-        loss.add_(0.0)
-
     try:
         base = cpu_us_per_call(clones, device, args.calls, args.reps)
         with_patrol = cpu_us_per_call(step, device, args.calls, args.reps)
-        one_launch = cpu_us_per_call(launch, device, args.calls, args.reps)
     finally:
         patrol.close()
     print(json.dumps({"benchmark": "warm_step", "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                       else platform.processor() or "cpu", "torch": torch.__version__,
                       "python": platform.python_version(), "calls": args.calls, "reps": args.reps,
                       "patrol_us_per_call": round(with_patrol - base, 2), "clones_us": round(base, 2),
-                      "kernel_launch_us": round(one_launch, 2) if device.type == "cuda" else None}, indent=2))
+                      "kernel_launch_us": round(launch_us(device), 2) if device.type == "cuda" else None}, indent=2))
 
 
 if __name__ == "__main__":

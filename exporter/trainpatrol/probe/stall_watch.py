@@ -110,12 +110,12 @@ class StallWatch:
         """The phase code to export (0: not stalled); the first check past the threshold captures the rank."""
         recorder = self._recorder
         action = self._in_action()
+        action_name = action.action if action is not None else ""
         if action is not None:
-            step, action_name, since, threshold = action.step, action.action, time.perf_counter() - action.began, \
-                self.action_threshold()
+            step, since, threshold = action.step, time.perf_counter() - action.began, self.action_threshold()
             reason = f"{action_name} at step {step} held the training thread for {threshold:.0f} s"
         else:
-            step, action_name = recorder.totals.steps, ""
+            step = recorder.totals.steps
             if self._record.state != "running" or step == 0 or self._acting():
                 return 0
             since, threshold = time.perf_counter() - recorder.last_step_end, self.threshold()
